@@ -1,0 +1,269 @@
+"""TTFT through the server: full prefill vs stock SGLang cache vs Tail-Replay at 5% and 10%.
+
+For each matched prefix length L (a random-token document) plus an n-token new suffix
+(default 128), with max_new_tokens=1, four configurations are timed side by side, interleaved
+within each repetition:
+
+  (a) full prefill: a never-seen document + suffix (a fresh document per repetition), on the
+      stock server; the Tail-Replay server's own miss on its fresh document is timed too.
+  (b) stock SGLang cache (default radix cache, second server): the same document seen before
+      with another suffix. No state checkpoint exists at the branch point, so SGLang's hybrid
+      cache can only reuse up to its deepest state; what it reuses is read from meta_info.
+  (c) Tail-Replay at budget 5% and (d) at 10% (one tail_replay server, per-request override
+      `custom_params["tail_replay"]["budget"]`): the document was warmed with another suffix;
+      meta_info must report an approximate hit of L tokens replaying W = ceil(budget * L).
+
+TTFT is the client's wall time from POST to response (one output token, no streaming); SGLang's
+own `meta_info` timing (e2e_latency, and scheduler stats where present) is recorded beside it.
+Medians over repetitions, speedups vs (a), and the linear-cost ceiling (L + n) / (W + n), W the
+matched tokens the request recomputes (L - cached for stock), printed as a markdown table.
+
+    .venv/bin/python benchmarks/ttft_tail_replay.py --lengths 8192,16384,32768 --reps 3 --out runs/ttft
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import requests
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_ext.testing import ServerProcess, start_servers, stop_servers  # noqa: E402
+
+TOKEN_LO, TOKEN_HI = 10, 500          # random prompt ids (the tiny model's vocabulary is 512)
+SERVER_BUDGET = 0.05
+CONFIGS = ("full_prefill", "full_prefill_tr_server", "stock_cache", "tail_replay_5", "tail_replay_10")
+LABELS = {
+    "full_prefill": "(a) full prefill (never-seen prompt)",
+    "full_prefill_tr_server": "(a') full prefill, tail_replay server miss",
+    "stock_cache": "(b) stock SGLang cache",
+    "tail_replay_5": "(c) Tail-Replay 5%",
+    "tail_replay_10": "(d) Tail-Replay 10%",
+}
+TR_BUDGETS = {"tail_replay_5": 0.05, "tail_replay_10": 0.10}
+
+
+# ---------------------------------------------------------------------------- prompts
+
+class Prompts:
+    """Random token ids; every document and suffix is distinct, and the suffixes sent after one
+    document start with distinct tokens so that a match ends exactly at the document's end."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def tokens(self, n: int) -> list[int]:
+        return torch.randint(TOKEN_LO, TOKEN_HI, (n,), generator=self.gen).tolist()
+
+    def suffixes(self, n: int, count: int) -> list[list[int]]:
+        out, firsts = [], set()
+        while len(out) < count:
+            s = self.tokens(n)
+            if s[0] not in firsts:
+                firsts.add(s[0])
+                out.append(s)
+        return out
+
+
+# ---------------------------------------------------------------------------- requests
+
+def timed_generate(server: ServerProcess, ids: list[int], overrides: dict | None = None) -> dict:
+    sampling = {"max_new_tokens": 1, "temperature": 0}
+    if overrides:
+        sampling["custom_params"] = {"tail_replay": overrides}
+    t0 = time.perf_counter()
+    resp = requests.post(f"{server.url}/generate", json={"input_ids": ids, "sampling_params": sampling},
+                         timeout=3600)
+    ttft = time.perf_counter() - t0
+    resp.raise_for_status()
+    meta = resp.json()["meta_info"]
+    details = meta.get("cached_tokens_details") or {}
+    server_timing = {k: v for k, v in meta.items()
+                     if isinstance(v, (int, float)) and not isinstance(v, bool)
+                     and any(w in k for w in ("latency", "time", "duration", "delay"))}
+    return {"ttft_s": ttft, "prompt_tokens": meta.get("prompt_tokens"),
+            "cached_tokens": meta.get("cached_tokens"), "tail_replay": details.get("tail_replay"),
+            "server_timing": server_timing}
+
+
+def expected_window(L: int, budget: int, cfg: dict) -> int:
+    w = math.ceil(budget * L)
+    return min(max(w, cfg.get("min_replay_tokens", 64)), cfg.get("max_replay_tokens", 4096))
+
+
+def check_tail_replay(rec: dict, L: int, window: int) -> list[str]:
+    """Problems with a Tail-Replay measurement (empty when the hit is what we expect)."""
+    want = {"kind": "approximate", "matched_tokens": L, "reused_tokens": L - window, "replayed_tokens": window}
+    got = rec.get("tail_replay")
+    return [] if got == want else [f"L={L}: expected tail_replay {want}, got {got} (cached_tokens "
+                                   f"{rec.get('cached_tokens')})"]
+
+
+# ---------------------------------------------------------------------------- servers
+
+def server_args(max_len: int, n: int) -> list[str]:
+    longest = max_len + n
+    context = int(math.ceil((longest + 1024) / 1024) * 1024)
+    # one chunk for the longest prompt: no chunk boundary (and no state SGLang might keep there)
+    return ["--dtype", "float32",
+            "--context-length", str(context),
+            "--chunked-prefill-size", str(context),
+            "--max-prefill-tokens", str(context),
+            "--max-total-tokens", str(4 * context),   # tiny model: ~256 B of KV per token
+            "--max-running-requests", "4",
+            "--mem-fraction-static", "0.1",
+            "--log-level", "warning"]
+
+
+def build_model(out: Path) -> Path:
+    from sglang_ext.models.tiny import build_tiny_model
+
+    model_dir = out / "model-qwen3-next"
+    if not (model_dir / "config.json").exists():
+        build_tiny_model("qwen3-next", model_dir, seed=0)
+    return model_dir
+
+
+# ---------------------------------------------------------------------------- summary
+
+def summarize(records: list[dict], lengths: list[int], n: int) -> list[dict]:
+    rows = []
+    for L in lengths:
+        base = [r["ttft_s"] for r in records if r["L"] == L and r["config"] == "full_prefill"]
+        base_med = statistics.median(base) if base else float("nan")
+        for config in CONFIGS:
+            rs = [r for r in records if r["L"] == L and r["config"] == config]
+            if not rs:
+                continue
+            med = statistics.median(r["ttft_s"] for r in rs)
+            cached = statistics.median(r["cached_tokens"] or 0 for r in rs)
+            if config.startswith("full_prefill"):
+                recomputed = L
+            elif config == "stock_cache":
+                recomputed = L - cached
+            else:
+                recomputed = statistics.median(r["tail_replay"]["replayed_tokens"] for r in rs)
+            e2e = [r["server_timing"].get("e2e_latency") for r in rs]
+            e2e = [x for x in e2e if x is not None]
+            rows.append({
+                "L": L, "n": n, "config": config, "reps": len(rs),
+                "median_ttft_s": med, "ttft_s": [r["ttft_s"] for r in rs],
+                "median_server_e2e_s": statistics.median(e2e) if e2e else None,
+                "cached_tokens": cached, "recomputed_matched_tokens": recomputed,
+                "speedup": base_med / med,
+                "ceiling": (L + n) / (recomputed + n),
+                "kinds": sorted({(r["tail_replay"] or {}).get("kind", "-") for r in rs}),
+            })
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| matched L | configuration | cached (reused) | recomputed W | median TTFT s | median server "
+             "e2e s | speedup vs (a) | linear ceiling (L+n)/(W+n) | hit kind |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        e2e = f"{r['median_server_e2e_s']:.3f}" if r["median_server_e2e_s"] is not None else "-"
+        lines.append(f"| {r['L']:,} | {LABELS[r['config']]} | {r['cached_tokens']:,.0f} | "
+                     f"{r['recomputed_matched_tokens']:,.0f} | {r['median_ttft_s']:.3f} | {e2e} | "
+                     f"{r['speedup']:.2f}x | {r['ceiling']:.2f}x | {', '.join(r['kinds'])} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- main
+
+def run(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    n = args.suffix
+    model = build_model(out)
+    common = server_args(max(lengths), n)
+    tr_config = {"budget": SERVER_BUDGET}
+    stock = ServerProcess(str(model), common, log_path=out / "server_stock.log")
+    tail = ServerProcess(str(model), common + ["--radix-cache-backend", "tail_replay",
+                                               "--tail-replay-config", json.dumps(tr_config)],
+                         log_path=out / "server_tail_replay.log")
+    prompts = Prompts(args.seed)
+    records, problems = [], []
+    started = time.time()
+    print(f"starting servers ({' '.join(common)}) ...", flush=True)
+    start_servers([stock, tail])
+    try:
+        # warm-up: first-call costs (allocator, kernels, code paths of a hit) outside the timings
+        doc = prompts.tokens(1024)
+        for server in (stock, tail):
+            for s in prompts.suffixes(n, 2):
+                timed_generate(server, doc + s)
+        total = len(lengths) * args.reps * 5
+        with tqdm(total=total, desc="requests", unit="req") as bar:
+            for L in lengths:
+                for rep in range(args.reps):
+                    doc_stock, doc_tail = prompts.tokens(L), prompts.tokens(L)
+                    warm, q_stock, q5, q10 = prompts.suffixes(n, 4)
+
+                    def measure(config, server, ids, overrides=None):
+                        rec = timed_generate(server, ids, overrides)
+                        rec.update(config=config, L=L, rep=rep)
+                        records.append(rec)
+                        bar.set_postfix_str(f"L={L} rep={rep} {config} {rec['ttft_s']:.2f}s")
+                        bar.update()
+                        return rec
+
+                    # (a) the stock server sees a fresh document: a full prefill; it is also (b)'s warm-up
+                    a = measure("full_prefill", stock, doc_stock + warm)
+                    if a["cached_tokens"]:
+                        problems.append(f"L={L} rep={rep}: full prefill reported {a['cached_tokens']} cached tokens")
+                    # the tail_replay server's fresh document (its warm-up for (c), (d))
+                    measure("full_prefill_tr_server", tail, doc_tail + warm)
+                    # (b) same document, another suffix, stock cache
+                    measure("stock_cache", stock, doc_stock + q_stock)
+                    # (c), (d): per-request budget; alternate the order between repetitions
+                    order = [("tail_replay_5", q5), ("tail_replay_10", q10)]
+                    for config, q in (order if rep % 2 == 0 else order[::-1]):
+                        budget = TR_BUDGETS[config]
+                        rec = measure(config, tail, doc_tail + q, {"budget": budget})
+                        problems += check_tail_replay(rec, L, expected_window(L, budget, tr_config))
+    finally:
+        stop_servers([stock, tail])
+    rows = summarize(records, lengths, n)
+    table = markdown_table(rows)
+    command = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    result = {
+        "command": command, "lengths": lengths, "suffix_tokens": n, "reps": args.reps,
+        "server_args": common, "tail_replay_server_config": tr_config,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads()},
+        "wall_s": time.time() - started, "problems": problems, "summary": rows, "records": records,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "table.md").write_text(f"`{command}`\n\n{table}\n")
+    print(table)
+    for p in problems:
+        print("PROBLEM:", p)
+    print(f"wrote {out / 'results.json'} and {out / 'table.md'} ({result['wall_s']:.0f}s)")
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", default="8192,16384,32768", help="matched prefix lengths, comma-separated")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--suffix", type=int, default=128, help="new tokens after the matched prefix")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="runs/ttft_tail_replay")
+    raise SystemExit(run(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

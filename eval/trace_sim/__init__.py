@@ -1,0 +1,1 @@
+"""Trace-driven simulator for prefix-cache eviction policies (see docs/saecache.md)."""

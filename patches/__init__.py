@@ -1,0 +1,58 @@
+"""Version-guarded runtime patches to SGLang 0.5.23, applied before SGLang is imported.
+
+Each module in this package patches one SGLang seam and names the file it targets
+(`TARGET`). `apply_patches(mode)` checks the installed SGLang version first, then applies:
+
+- mode "cpu": the CPU patch set (stand-in `sgl_kernel` CPU ops, driverless-CUDA-torch fixes,
+  torch fallbacks for Triton-only paths, O(new x context) extend attention), then the
+  extension's own seams;
+- mode "gpu": only the extension's own seams; SGLang's fast paths stay untouched.
+
+Applying twice is a no-op. Spawned SGLang children re-apply via `sglang_ext.env`'s
+`SGLANG_EXT_PATCH_MODE` (see `sglang_ext.bootstrap`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from patches.version import check_sglang_version
+
+logger = logging.getLogger(__name__)
+
+#: Applied in this order in "cpu" mode. Module names inside this package.
+CPU_PATCHES: tuple[str, ...] = (
+    "sgl_kernel_stub",      # must come first: SGLang imports sgl_kernel at import time
+    "device_module",
+    "cpu_norm",
+    "cpu_elementwise",
+    "cpu_gdn",
+    "extend_attention",
+    "cpu_mamba2",
+    "cpu_moe",
+    "cpu_nemotron_h_router",
+)
+#: Applied in both modes (the extension's own seams).
+EXT_PATCHES: tuple[str, ...] = ("tail_replay_kv",)
+
+_applied: list[str] = []
+
+
+def apply_patches(mode: str) -> list[str]:
+    """Apply the patch set for `mode` once per process; return the modules applied."""
+    if _applied:
+        return list(_applied)
+    if mode not in ("cpu", "gpu"):
+        raise ValueError(f"patch mode must be 'cpu' or 'gpu', got {mode!r}")
+    check_sglang_version()
+    names = (CPU_PATCHES if mode == "cpu" else ()) + EXT_PATCHES
+    for name in names:
+        importlib.import_module(f"patches.{name}").apply()
+        _applied.append(name)
+    logger.debug("sglang_ext applied patches: %s", names)
+    return list(_applied)
+
+
+def applied_patches() -> list[str]:
+    return list(_applied)

@@ -1,0 +1,58 @@
+"""Every environment variable the extension reads, in one place.
+
+Child processes of the SGLang server inherit these, which is how the launcher tells them
+to apply the runtime patches before SGLang is imported (processes are started with spawn).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+#: "cpu" -> apply the CPU patch set; "gpu" -> only the extension's own seams; unset -> none.
+PATCH_MODE_VAR = "SGLANG_EXT_PATCH_MODE"
+#: Set to 1 to let the extension start on an SGLang version other than the supported one.
+ALLOW_OTHER_SGLANG_VAR = "SGLANG_EXT_ALLOW_OTHER_SGLANG"
+#: Tail-Replay configuration: a JSON object, or the path of a JSON file (see tail_replay/config.py).
+TAIL_REPLAY_CONFIG_VAR = "SGLANG_EXT_TAIL_REPLAY_CONFIG"
+#: Read by SGLang itself; required for its CPU engine.
+SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
+#: Read by SGLang itself: dtype of the linear layers' conv-window state (its default: bfloat16).
+SGLANG_MAMBA_CONV_DTYPE_VAR = "SGLANG_MAMBA_CONV_DTYPE"
+
+
+@dataclass(frozen=True)
+class ExtEnv:
+    patch_mode: str | None
+    allow_other_sglang: bool
+
+
+def read_env() -> ExtEnv:
+    mode = os.environ.get(PATCH_MODE_VAR) or None
+    if mode not in (None, "cpu", "gpu"):
+        raise ValueError(f"{PATCH_MODE_VAR}={mode!r}: expected 'cpu' or 'gpu'")
+    allow = os.environ.get(ALLOW_OTHER_SGLANG_VAR, "0") not in ("", "0", "false")
+    return ExtEnv(patch_mode=mode, allow_other_sglang=allow)
+
+
+def read_tail_replay_config():
+    from sglang_ext.tail_replay.config import parse_config
+
+    return parse_config(os.environ.get(TAIL_REPLAY_CONFIG_VAR))
+
+
+def export_tail_replay_config(text: str) -> None:
+    os.environ[TAIL_REPLAY_CONFIG_VAR] = text
+
+
+def export_conv_state_dtype(dtype: str) -> None:
+    """Store conv-window states in `dtype` unless the user chose one (SGLang defaults to bf16,
+    which makes fp32 decode differ from a full recompute)."""
+    os.environ.setdefault(SGLANG_MAMBA_CONV_DTYPE_VAR, dtype)
+
+
+def export_patch_mode(mode: str) -> None:
+    """Make `mode` visible to this process and every child it spawns."""
+    os.environ[PATCH_MODE_VAR] = mode
+    if mode == "cpu":
+        os.environ[SGLANG_CPU_ENGINE_VAR] = "1"

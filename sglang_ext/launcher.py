@@ -1,0 +1,148 @@
+"""`sglang-ext serve`: start the patched SGLang server with every `sglang serve` argument.
+
+On a machine without a usable GPU (or with `--device cpu`) it applies the CPU patch set
+and fills in CPU defaults the user did not give; on a GPU it applies only the extension's
+own seams and leaves SGLang's arguments and fast paths alone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from sglang_ext.env import export_conv_state_dtype, export_patch_mode, export_tail_replay_config
+
+#: flag -> value added on CPU unless the user passed the flag (value None: a bare switch)
+CPU_DEFAULTS: dict[str, str | None] = {
+    "--device": "cpu",
+    "--attention-backend": "torch_native",
+    "--max-total-tokens": "65536",
+    "--max-mamba-cache-size": "32",
+    "--max-running-requests": "16",
+    "--chunked-prefill-size": "4096",
+    "--mem-fraction-static": "0.1",
+    "--sleep-on-idle": None,
+    "--disable-overlap-schedule": None,
+    "--enable-metrics": None,
+}
+
+#: attention backends that can run on the CPU engine
+CPU_ATTENTION_BACKENDS = ("torch_native", "intel_amx")
+
+
+#: `--dtype` values that SGLang also accepts for the conv-window state
+CONV_STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class LaunchError(ValueError):
+    """A bad launcher argument; the message names it."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    mode: str                 # "cpu" or "gpu"
+    argv: list[str]           # arguments passed on to SGLang
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _has_flag(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def plan_launch(argv: list[str], gpu_available: bool | None = None) -> LaunchPlan:
+    """Decide CPU or GPU mode and the final SGLang argv; raise LaunchError on bad flags."""
+    if not _has_flag(argv, "--model-path"):
+        raise LaunchError("--model-path is required")
+    device = _flag_value(argv, "--device")
+    gpu = _gpu_available() if gpu_available is None else gpu_available
+    if device not in (None, "cpu") and not gpu:
+        raise LaunchError(f"--device {device} was given but no GPU is usable on this machine")
+    if device == "cpu" or (device is None and not gpu):
+        return LaunchPlan("cpu", _with_cpu_defaults(argv))
+    return LaunchPlan("gpu", list(argv))
+
+
+def _with_cpu_defaults(argv: list[str]) -> list[str]:
+    backend = _flag_value(argv, "--attention-backend")
+    if backend is not None and backend not in CPU_ATTENTION_BACKENDS:
+        raise LaunchError(
+            f"--attention-backend {backend} is GPU-only; on CPU use one of {CPU_ATTENTION_BACKENDS}"
+        )
+    out = list(argv)
+    for flag, value in CPU_DEFAULTS.items():
+        if not _has_flag(argv, flag):
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+#: the extension's own flags, taken out of argv before SGLang parses it
+TAIL_REPLAY_CONFIG_FLAG = "--tail-replay-config"
+
+
+def _pop_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    value = _flag_value(argv, flag)
+    if value is None and _has_flag(argv, flag):
+        raise LaunchError(f"{flag} needs a value")
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out, value
+
+
+def _export_tail_replay_config(text: str | None) -> None:
+    """Validate here (a clear error before SGLang starts), then hand it to every process."""
+    from sglang_ext.tail_replay.config import TailReplayConfigError, parse_config
+
+    if text is None:
+        return
+    try:
+        parse_config(text)
+    except TailReplayConfigError as exc:
+        raise LaunchError(str(exc)) from None
+    export_tail_replay_config(text)
+
+
+def serve(argv: list[str]) -> None:
+    """Apply patches for the chosen mode, then run SGLang's own server entry point."""
+    argv, tail_replay_config = _pop_flag(argv, TAIL_REPLAY_CONFIG_FLAG)
+    _export_tail_replay_config(tail_replay_config)
+    plan = plan_launch(argv)
+    export_patch_mode(plan.mode)
+    if _flag_value(plan.argv, "--dtype") in CONV_STATE_DTYPES:
+        export_conv_state_dtype(_flag_value(plan.argv, "--dtype"))
+    from patches import apply_patches
+    from sglang_ext.spawn_main import use_as_spawn_main
+
+    apply_patches(plan.mode)
+    use_as_spawn_main()
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(plan.argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)

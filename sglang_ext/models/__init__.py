@@ -1,0 +1,1 @@
+"""Tiny random-weight fixture checkpoints (and their tokenizer) for tests and demos."""

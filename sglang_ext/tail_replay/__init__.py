@@ -1,0 +1,6 @@
+"""Tail-Replay: token-level prefix reuse for hybrid models without recurrent-state checkpoints.
+
+`config` and `planner` are pure (no SGLang, no torch); `cache` adapts them to SGLang's
+`UnifiedRadixCache` (registered as `--radix-cache-backend tail_replay`), and
+`patches/tail_replay_kv.py` makes the replayed tail read the exact cached attention KV.
+"""

@@ -1,0 +1,161 @@
+"""SGLang adapter: a UnifiedRadixCache whose Mamba component lets matches run as deep as the
+attention KV, and a planner decision per request (`--radix-cache-backend tail_replay`).
+
+What changes against SGLang 0.5.23's `UnifiedRadixCache` + `MambaComponent`:
+- match: every node is valid for the Mamba component, so a hit is as long as the full-attention
+  KV hit (L). The planner then sets the request's prefix length: a checkpoint at C (exact), or
+  L - W with a zeroed linear state (approximate), or 0.
+- caching: states computed after an approximate replay (and, with keep_checkpoints=False, all
+  states) are never inserted; the attention KV still is.
+The per-request decision is `req.tail_replay` (a ReplayPlan) plus, for exact-KV replay,
+`req.tail_replay_kv_slots`: the tree's KV slots of the replayed tail, read by
+`patches/tail_replay_kv.py`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig, with_overrides
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
+
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.base import TreeComponent
+from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.runtime_context import get_exec, mamba_cache_chunk_size, mamba_checkpoint_grid
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
+
+BACKEND_NAME = "tail_replay"
+
+
+def request_plan(req) -> Optional[ReplayPlan]:
+    return getattr(req, "tail_replay", None)
+
+
+def request_config(base: TailReplayConfig, req) -> TailReplayConfig:
+    """The server's config with the request's `custom_params["tail_replay"]` overrides
+    (validated when the request arrived, see patches/tail_replay_kv.py)."""
+    custom = getattr(req.sampling_params, "custom_params", None) or {}
+    return with_overrides(base, custom.get(REQUEST_PARAM_KEY))
+
+
+class TailReplayMambaComponent(MambaComponent):
+    """Mamba component that never limits a match and stores only exact states."""
+
+    def __init__(self, cache, params):
+        # MambaComponent asserts page_size == 1 without the extra buffer, because only a
+        # sequence-end state exists there. Tail-Replay reuses page-aligned prefixes without
+        # any state, so it keeps the rest of the setup and drops that check.
+        TreeComponent.__init__(self, cache, params)
+        self.mamba_cache_chunk_size = mamba_cache_chunk_size()
+        self.mamba_checkpoint_grid = mamba_checkpoint_grid(params.page_size)
+        self.mamba_max_states_per_path = get_exec().mamba.mamba_max_states_per_path
+        self._mamba_pool_host = None
+
+    @property
+    def config(self) -> TailReplayConfig:
+        return self.cache.tail_replay_config
+
+    def create_match_validator(self, match_device_only: bool = False):
+        return lambda node: True
+
+    def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
+        # SGLang's in-prefill checkpoint placement assumes the match ends at a state.
+        return result._replace(mamba_branching_seqlen=None)
+
+    def finalize_match_result_in_cache(self, params, result):
+        plan = request_plan(params.req) if params.req is not None else None
+        if plan is None or plan.kind is HitKind.EXACT_CHECKPOINT:
+            return super().finalize_match_result_in_cache(params, result)
+        if params.cow_mamba and params.req.kv.holds_mamba:
+            params.req.kv.mamba_cow_src_index = None
+            params.req.kv.mamba_needs_clear = True   # replay starts from the zero state
+        return result
+
+    def _stores_state(self, req) -> bool:
+        plan = request_plan(req)
+        keep = request_config(self.config, req).keep_checkpoints
+        return keep and (plan is None or plan.state_is_exact)
+
+    def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
+        if self._stores_state(req):
+            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+        insert_params.mamba_value = None   # the attention KV is still inserted in full
+        return token_ids_len
+
+    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+        if params.mamba_value is not None:
+            super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+
+    def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
+        withheld = insert_params is not None and insert_params.mamba_value is None and not self._stores_state(req)
+        if withheld and is_finished:
+            self.cache.req_to_token_pool.free_mamba_cache(req)   # the request's state dies with it
+            return
+        super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
+
+
+class TailReplayRadixCache(UnifiedRadixCache):
+    tail_replay_config: TailReplayConfig = TailReplayConfig()
+
+    def _finalize_match_result(self, params: "MatchPrefixParams", result: "MatchResult") -> "MatchResult":
+        if params.req is not None:
+            result = self._apply_replay_plan(params.req, result)
+        return super()._finalize_match_result(params, result)
+
+    def _deepest_state_on_path(self, node_id) -> tuple[Optional[int], Optional[int]]:
+        """(node id, depth in tokens) of the deepest node on the path holding a device state."""
+        core = self.tree_core
+        node, root = core.node_by_id(node_id), core.root_node
+        path = []
+        while node is not root:
+            path.append(node)
+            node = node.parent
+        depth = sum(len(n.key) for n in path)
+        for n in path:
+            if n.component_data[ComponentType.MAMBA].value is not None:
+                return n.id, depth
+            depth -= len(n.key)
+        return None, None
+
+    def _apply_replay_plan(self, req, result: "MatchResult") -> "MatchResult":
+        config = request_config(self.tail_replay_config, req)
+        ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
+        plan = plan_replay(result.device_prefix_len, ckpt_len or None, self.page_size, config)
+        req.tail_replay = plan
+        req.tail_replay_kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
+        if plan.kind is HitKind.EXACT_CHECKPOINT:
+            return result._replace(device_prefix_len=plan.prefix_len, last_device_node=ckpt_id,
+                                   last_host_node=ckpt_id, best_match_node=ckpt_id)
+        if plan.kind is HitKind.MISS:
+            root = self.root_node_handle(req.extra_key)
+            return result._replace(device_prefix_len=0, last_device_node=root,
+                                   last_host_node=root, best_match_node=root)
+        return result._replace(device_prefix_len=plan.prefix_len)
+
+    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id):
+        if config.kv_mode != "exact" or not plan.reuses_tail_kv:
+            return None
+        path = self.tree_core.collect_full_device_indices(last_node_id, self.tree_core.root_node.id)
+        return path[plan.prefix_len:plan.matched_tokens].clone()
+
+
+def tail_replay_cache_factory(ctx):
+    """`--radix-cache-backend tail_replay`: SGLang calls this once per scheduler at start-up."""
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    from sglang_ext.env import read_tail_replay_config
+
+    config = read_tail_replay_config()
+    if not ctx.is_hybrid_ssm:
+        raise ValueError("--radix-cache-backend tail_replay needs a hybrid model with linear-attention "
+                         "or SSM layers (GDN, Mamba-2); this model has none")
+    ctx.params.component_registry_override = {
+        **(ctx.params.component_registry_override or {}),
+        ComponentType.MAMBA: TailReplayMambaComponent,
+    }
+    cache_class = type("TailReplayRadixCache", (TailReplayRadixCache,), {"tail_replay_config": config})
+    return create_unified_radix_cache(ctx, cache_class=cache_class)

@@ -1,0 +1,97 @@
+"""User-facing Tail-Replay knobs: one frozen dataclass, parsed and validated in one place.
+
+Given as JSON (`--tail-replay-config '{"budget": 0.05}'`, or the env var
+`SGLANG_EXT_TAIL_REPLAY_CONFIG`, a JSON object or a path to a JSON file). Unknown keys and
+bad values fail at start-up with a message naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+KV_MODES = ("exact", "recompute")
+#: per-request overrides: `sampling_params.custom_params["tail_replay"] = {"budget": 0.1, ...}`
+REQUEST_PARAM_KEY = "tail_replay"
+
+
+class TailReplayConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TailReplayConfig:
+    #: replay window W as a fraction of the matched length L (W = budget * L, clamped below)
+    budget: float = 0.05
+    #: W is at least this many tokens ...
+    min_replay_tokens: int = 64
+    #: ... and at most this many
+    max_replay_tokens: int = 4096
+    #: matches shorter than this are not reused approximately (full recompute, or an exact checkpoint)
+    min_match_tokens: int = 128
+    #: also keep SGLang's own exact state checkpoints in the tree (False: the tree holds no states)
+    keep_checkpoints: bool = True
+    #: "exact": the new tokens attend to the exact cached KV of the whole match;
+    #: "recompute": the replayed tail's attention KV is recomputed (approximate) too
+    kv_mode: str = "exact"
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.budget <= 1.0, "budget", f"must be in [0, 1], got {self.budget}")
+        _check(self.min_replay_tokens >= 0, "min_replay_tokens", f"must be >= 0, got {self.min_replay_tokens}")
+        _check(self.max_replay_tokens >= self.min_replay_tokens, "max_replay_tokens",
+               f"must be >= min_replay_tokens ({self.min_replay_tokens}), got {self.max_replay_tokens}")
+        _check(self.min_match_tokens >= 0, "min_match_tokens", f"must be >= 0, got {self.min_match_tokens}")
+        _check(self.kv_mode in KV_MODES, "kv_mode", f"must be one of {KV_MODES}, got {self.kv_mode!r}")
+
+
+_TYPES = {"budget": (int, float), "min_replay_tokens": int, "max_replay_tokens": int,
+          "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str}
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise TailReplayConfigError(f"tail-replay config key {key!r}: {message}")
+
+
+def _check_fields(raw: dict) -> None:
+    known = {f.name for f in fields(TailReplayConfig)}
+    for key, value in raw.items():
+        _check(key in known, key, f"unknown key; known keys: {sorted(known)}")
+        expected = _TYPES[key]
+        wrong_bool = isinstance(value, bool) and expected is not bool
+        _check(isinstance(value, expected) and not wrong_bool, key, f"has the wrong type ({value!r})")
+
+
+def config_from_dict(raw: dict) -> TailReplayConfig:
+    _check_fields(raw)
+    return TailReplayConfig(**raw)
+
+
+def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfig:
+    """`base` with a request's overrides applied; raises TailReplayConfigError naming the key."""
+    if overrides is None:
+        return base
+    if not isinstance(overrides, dict):
+        raise TailReplayConfigError(f"custom_params[{REQUEST_PARAM_KEY!r}] must be a JSON object")
+    _check_fields(overrides)
+    return replace(base, **overrides)
+
+
+def parse_config(text: str | None) -> TailReplayConfig:
+    """Parse a JSON object, or the path of a JSON file; None or '' gives the defaults."""
+    if not text:
+        return TailReplayConfig()
+    source = text
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise TailReplayConfigError(f"tail-replay config {text!r} is neither a JSON object nor a file")
+        source = path.read_text()
+    try:
+        raw = json.loads(source)
+    except json.JSONDecodeError as exc:
+        raise TailReplayConfigError(f"tail-replay config is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise TailReplayConfigError("tail-replay config must be a JSON object")
+    return config_from_dict(raw)

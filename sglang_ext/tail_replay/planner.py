@@ -1,0 +1,70 @@
+"""Decide, from token counts alone, how a prefix hit of L tokens is reused (pure, deterministic).
+
+Inputs: L (tokens whose attention KV is cached), C (depth of the deepest exact recurrent-state
+checkpoint on the matched path, if any), the page size, and the config. Output: a ReplayPlan.
+
+- EXACT_CHECKPOINT: L - C <= W: start from the checkpoint's state at C, recompute [C, L) exactly.
+- EXACT_REPLAY:     W >= L: replay all of [0, L) from the zero state, which is exact at position 0.
+- APPROXIMATE:      replay the last W tokens [L - W, L) from a zero state; older tokens are dropped
+                    from the linear layers' state (their gates have mostly forgotten them).
+- MISS:             L < min_match_tokens and no checkpoint: compute everything.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from sglang_ext.tail_replay.config import TailReplayConfig
+
+
+class HitKind(str, enum.Enum):
+    EXACT_CHECKPOINT = "exact_checkpoint"
+    EXACT_REPLAY = "exact_replay"
+    APPROXIMATE = "approximate"
+    MISS = "miss"
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    kind: HitKind
+    matched_tokens: int      # L: tokens whose attention KV the tree holds
+    prefix_len: int          # tokens the request skips (SGLang's prefix length)
+    replay_start: int        # first token of the replayed tail (== prefix_len)
+
+    @property
+    def replayed_tokens(self) -> int:
+        """Matched tokens that go through the model again."""
+        return self.matched_tokens - self.prefix_len if self.kind is not HitKind.MISS else 0
+
+    @property
+    def state_is_exact(self) -> bool:
+        return self.kind is not HitKind.APPROXIMATE
+
+    @property
+    def reuses_tail_kv(self) -> bool:
+        """Whether the replayed tail [prefix_len, L) may take its KV from the tree."""
+        return self.kind in (HitKind.APPROXIMATE, HitKind.EXACT_REPLAY)
+
+
+def replay_window(matched_len: int, config: TailReplayConfig) -> int:
+    """W = clamp(ceil(budget * L), min_replay_tokens, max_replay_tokens)."""
+    wanted = math.ceil(config.budget * matched_len)
+    return min(max(wanted, config.min_replay_tokens), config.max_replay_tokens)
+
+
+def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
+                config: TailReplayConfig) -> ReplayPlan:
+    window = replay_window(matched_len, config)
+    if checkpoint_len is not None and matched_len - checkpoint_len <= window:
+        return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
+    if matched_len == 0 or window >= matched_len:
+        kind = HitKind.EXACT_REPLAY if matched_len else HitKind.MISS
+        return ReplayPlan(kind, matched_len, 0, 0)
+    if matched_len < config.min_match_tokens:
+        if checkpoint_len:
+            return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
+        return ReplayPlan(HitKind.MISS, matched_len, 0, 0)
+    start = (matched_len - window) // page_size * page_size
+    return ReplayPlan(HitKind.APPROXIMATE, matched_len, start, start)

@@ -1,0 +1,122 @@
+"""Start and stop a patched SGLang server for tests, demos and benchmarks.
+
+The server runs in its own process group on a free port; `stop()` ends the whole group
+(scheduler and detokenizer children included), also when the caller failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    model_path: str
+    extra_args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang_ext", "serve", "--model-path", self.model_path,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "ServerProcess":
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> "ServerProcess":
+        """Start the process without waiting (several servers can then boot side by side)."""
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "ServerProcess":
+        try:
+            self._wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def log_text(self) -> str:
+        return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode}; log: {self.log_path}")
+            try:
+                if requests.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"server not healthy after {timeout_s:.0f}s; log: {self.log_path}")
+
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def generate(self, **payload) -> dict:
+        resp = requests.post(f"{self.url}/generate", json=payload, timeout=600)
+        resp.raise_for_status()
+        return resp.json()
+
+
+def start_servers(servers: list[ServerProcess], timeout_s: float = STARTUP_TIMEOUT_S) -> list[ServerProcess]:
+    """Boot several servers side by side; on any failure stop them all."""
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready(timeout_s)
+    except BaseException:
+        stop_servers(servers)
+        raise
+    return servers
+
+
+def stop_servers(servers: list[ServerProcess]) -> None:
+    for server in servers:
+        server.stop()

@@ -1,0 +1,27 @@
+"""Helpers shared by the end-to-end test modules (prompts, greedy requests, reference checks)."""
+
+from __future__ import annotations
+
+import torch
+
+NEW_TOKENS = 6
+LOGPROB_ATOL = 1e-4
+
+
+def random_prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 500, (length,), generator=gen).tolist()
+
+
+def greedy(server, ids, new_tokens=NEW_TOKENS, input_logprobs=False, logprob_start_len=None):
+    """Greedy generation with output logprobs. Input logprobs from position 0 force a full
+    recompute (no prefix reuse); `logprob_start_len` asks for them from a later position."""
+    start = logprob_start_len if logprob_start_len is not None else (0 if input_logprobs else -1)
+    return server.generate(input_ids=ids, sampling_params={"max_new_tokens": new_tokens, "temperature": 0},
+                           return_logprob=True, logprob_start_len=start)
+
+
+def assert_matches_reference(result, reference, atol=LOGPROB_ATOL):
+    assert result["output_ids"] == reference.output_ids
+    out_lp = [x[0] for x in result["meta_info"]["output_token_logprobs"]]
+    torch.testing.assert_close(torch.tensor(out_lp), torch.tensor(reference.output_logprobs), atol=atol, rtol=0)

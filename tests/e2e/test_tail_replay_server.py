@@ -1,0 +1,183 @@
+"""Tail-Replay in the real patched server: token-level reuse without state checkpoints."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from sglang_ext.reference import greedy_reference, load_reference_model
+from sglang_ext.testing import ServerProcess, start_servers, stop_servers
+from tests.e2e.serving import assert_matches_reference, random_prompt
+
+L = 320              # shared prefix (document) length
+SUFFIX = 40          # question tokens after the document
+SERVER_CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16}
+#: per-request overrides (sampling_params.custom_params["tail_replay"]) on the same servers
+OVERRIDES = {
+    "w16": {},
+    "w4": {"budget": 1 / 4},
+    "wL": {"budget": 1.0},
+    "w4_recompute": {"budget": 1 / 4, "kv_mode": "recompute"},
+}
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_factory, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("tail_replay_logs")
+    args = ["--dtype", "float32", "--radix-cache-backend", "tail_replay",
+            "--tail-replay-config", json.dumps(SERVER_CONFIG), "--chunked-prefill-size", "64"]
+    procs = {arch: ServerProcess(str(tiny_model_factory(arch)), args, log_path=logs / f"{arch}.log")
+             for arch in ("qwen3-next", "nemotron-h")}
+    start_servers(list(procs.values()))
+    try:
+        yield procs
+    finally:
+        stop_servers(list(procs.values()))
+
+
+def ask(server, ids, overrides=None, **kwargs):
+    custom = {"tail_replay": overrides} if overrides else None
+    start = kwargs.pop("logprob_start_len", -1)
+    return server.generate(input_ids=ids, sampling_params={"max_new_tokens": kwargs.pop("new_tokens", 6),
+                                                           "temperature": 0, "custom_params": custom},
+                           return_logprob=True, logprob_start_len=start)
+
+
+@pytest.fixture(scope="module")
+def hf_qwen(tiny_model_factory):
+    return load_reference_model(tiny_model_factory("qwen3-next"))
+
+
+def _details(result) -> dict:
+    return result["meta_info"]["cached_tokens_details"]["tail_replay"]
+
+
+def _warm_then_ask(server, document, question, overrides=None, **kwargs):
+    """Send the document with another suffix, then the real question. The warm-up stores no
+    states (with 64-token chunked prefill it would leave exact checkpoints every 64 tokens,
+    which the planner would rightly prefer), so the question's hit is a pure KV hit."""
+    ask(server, document + random_prompt(5, seed=999), {"keep_checkpoints": False}, new_tokens=1)
+    return ask(server, document + question, overrides, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-next", "nemotron-h"])
+def test_shared_prefix_with_a_different_suffix_is_reused(servers, arch):
+    # Stock SGLang reuses 0 tokens here (no state checkpoint at the branch point).
+    document = random_prompt(L, seed=1)
+    result = _warm_then_ask(servers[arch], document, random_prompt(SUFFIX, seed=2))
+    window = max(1, -(-L // 16))
+    assert result["meta_info"]["cached_tokens"] >= L - window
+    assert _details(result) == {"kind": "approximate", "matched_tokens": L,
+                                "reused_tokens": L - window, "replayed_tokens": window}
+
+
+def test_full_window_equals_full_prefill(servers, hf_qwen):
+    document, question = random_prompt(L, seed=3), random_prompt(SUFFIX, seed=4)
+    result = _warm_then_ask(servers["qwen3-next"], document, question, OVERRIDES["wL"])
+    assert _details(result)["kind"] == "exact_replay" and _details(result)["matched_tokens"] == L
+    assert_matches_reference(result, greedy_reference(hf_qwen, document + question, 6))
+
+
+def _suffix_logprob_distance(server, overrides, reference, document, question) -> float:
+    result = _warm_then_ask(server, document, question, overrides, logprob_start_len=L)
+    assert _details(result)["matched_tokens"] == L
+    served = torch.tensor([x[0] for x in result["meta_info"]["input_token_logprobs"][1:]])
+    exact = torch.tensor(reference.input_logprobs[L:])
+    return (served - exact).abs().mean().item()
+
+
+def test_logprob_distance_shrinks_as_the_window_grows(servers, hf_qwen):
+    document, question = random_prompt(L, seed=5), random_prompt(SUFFIX, seed=6)
+    reference = greedy_reference(hf_qwen, document + question, 1)
+    distance = {name: _suffix_logprob_distance(servers["qwen3-next"], overrides, reference, document, question)
+                for name, overrides in OVERRIDES.items()}
+    print("mean |logprob - full prefill| over the question:", json.dumps(distance))
+    assert distance["wL"] < 1e-4
+    assert distance["w4"] <= distance["w16"] + 1e-6
+    assert distance["wL"] <= distance["w4"] + 1e-6
+
+
+def test_a_checkpoint_within_the_window_is_used_exactly(servers, hf_qwen):
+    server = servers["qwen3-next"]
+    first_ids = random_prompt(L, seed=7)
+    first = ask(server, first_ids)
+    follow_up = first_ids + first["output_ids"] + random_prompt(10, seed=8)
+    second = ask(server, follow_up)
+    assert _details(second)["kind"] == "exact_checkpoint"
+    assert second["meta_info"]["cached_tokens"] >= L
+    assert_matches_reference(second, greedy_reference(hf_qwen, follow_up, 6))
+
+
+def _counter(text: str, name: str, labels: str = "") -> float:
+    pattern = rf"^{re.escape(name)}(?:{{{labels}[^}}]*}})? ([0-9.e+]+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
+
+
+def test_metrics_count_matched_and_replayed_tokens(servers):
+    server = servers["qwen3-next"]
+    before = requests.get(f"{server.url}/metrics", timeout=30).text
+    _warm_then_ask(server, random_prompt(L, seed=9), random_prompt(SUFFIX, seed=10), OVERRIDES["w4"])
+    after = requests.get(f"{server.url}/metrics", timeout=30).text
+    assert _counter(after, "sglang_ext:tail_replay_matched_tokens_total") - \
+        _counter(before, "sglang_ext:tail_replay_matched_tokens_total") == L
+    assert _counter(after, "sglang_ext:tail_replay_replayed_tokens_total") - \
+        _counter(before, "sglang_ext:tail_replay_replayed_tokens_total") == L // 4
+    approx = 'kind="approximate"'
+    assert _counter(after, "sglang_ext:tail_replay_hits_total", approx) > _counter(
+        before, "sglang_ext:tail_replay_hits_total", approx)
+
+
+def test_without_checkpoints_a_continuation_is_replayed(servers):
+    server, no_states = servers["qwen3-next"], {"keep_checkpoints": False}
+    first_ids = random_prompt(L, seed=11)
+    first = ask(server, first_ids, no_states)
+    second = ask(server, first_ids + first["output_ids"] + random_prompt(10, seed=12), no_states)
+    # The first request left no state in the tree, so its own continuation is replayed.
+    assert _details(second)["kind"] == "approximate"
+    assert second["meta_info"]["cached_tokens"] >= L - L // 16
+
+
+def test_concurrent_clients_with_overlapping_prefixes(servers):
+    server, exact = servers["qwen3-next"], OVERRIDES["wL"]   # outputs independent of arrival order
+    documents = [random_prompt(L, seed=20), random_prompt(L // 2, seed=21)]
+    prompts = [doc + random_prompt(12, seed=30 + i) for i in range(4) for doc in documents]
+    sequential = [ask(server, p, exact)["output_ids"] for p in prompts]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        concurrent = list(pool.map(lambda p: ask(server, p, exact)["output_ids"], prompts))
+    assert concurrent == sequential
+    requests.get(f"{server.url}/health_generate", timeout=60).raise_for_status()
+    assert not re.search(r"leak|Traceback", server.log_text(), re.I)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    ({"budget": 2}, "'budget': must be in [0, 1]"),
+    ({"window": 3}, "'window': unknown key"),
+    ({"kv_mode": 1}, "'kv_mode': has the wrong type"),
+])
+def test_bad_request_override_is_that_requests_error(servers, overrides, needle):
+    server = servers["qwen3-next"]
+    resp = requests.post(f"{server.url}/generate", timeout=60, json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1, "custom_params": {"tail_replay": overrides}}})
+    assert resp.status_code == 400 and needle in resp.text
+    assert ask(server, [4, 5, 6], new_tokens=1)["meta_info"]["completion_tokens"] == 1   # still serving
+
+
+@pytest.mark.parametrize("config, needle", [
+    ('{"budget": -0.5}', "'budget': must be in [0, 1]"),
+    ('{"min_replay_tokens": 64, "max_replay_tokens": 8}', "'max_replay_tokens': must be >= min_replay_tokens"),
+    ('{"bugdet": 0.1}', "'bugdet': unknown key"),
+    ('{"kv_mode": "fast"}', "'kv_mode': must be one of"),
+])
+def test_bad_config_is_a_clear_start_up_error(tiny_model_factory, config, needle):
+    proc = subprocess.run([sys.executable, "-m", "sglang_ext", "serve", "--model-path",
+                           str(tiny_model_factory("qwen3-next")), "--radix-cache-backend", "tail_replay",
+                           "--tail-replay-config", config], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert needle in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,388 @@
+"""TailReplayRadixCache on real SGLang pools (Full + Mamba components), built with SGLang's own
+unit-test kit (`sglang.test.kits.unified_radix_cache`), driven the way the scheduler drives it:
+match at admission (`Req.init_next_round_input`), lock, allocate the request's row and KV,
+then `release_kv_cache` at finish (or `checkpoint` in between, as chunked prefill does).
+
+The KV allocator hands out slots 1, 2, 3, ... in order (slot 0 is the padding slot), and so
+does the recurrent-state allocator, so the tests assert exact slot ids.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+import patches  # noqa: E402
+
+patches.apply_patches("cpu")  # before any SGLang import
+
+from array import array  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
+from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
+
+from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache  # noqa: E402
+from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
+
+MAMBA = ComponentType.MAMBA
+FULL = ComponentType.FULL
+#: W = max(ceil(0.1 * L), 4); matches shorter than 8 tokens are not reused approximately
+CONFIG = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8)
+PAGE_SIZES = [1, 4]
+
+
+class Harness:
+    """A TailReplayRadixCache on the kit's pools plus a minimal scheduler around it."""
+
+    def __init__(self, page_size: int, config: TailReplayConfig = CONFIG, *, kv_size: int = 512,
+                 mamba_size: int = 12, max_reqs: int = 8):
+        cfg = CacheConfig(page_size=page_size, components=(FULL, MAMBA), kv_size=kv_size,
+                          mamba_cache_size=mamba_size, max_num_reqs=max_reqs, max_context_len=256)
+        cache_class = type("TailReplayRadixCache", (TailReplayRadixCache,), {"tail_replay_config": config})
+        # build_fixture constructs `UnifiedRadixCache`; the factory's class is a drop-in subclass.
+        with mock.patch.object(kit, "UnifiedRadixCache", cache_class):
+            self.cache, self.alloc, self.pool = kit.build_fixture(
+                cfg, component_registry_override={MAMBA: TailReplayMambaComponent})
+        assert isinstance(self.cache, TailReplayRadixCache)
+        self.page_size = page_size
+        self.kv_total = self.alloc.available_size()
+        self.mamba_total = self.pool.mamba_allocator.available_size()
+        self.running: list[Req] = []
+        self._rid = 0
+
+    # ---- scheduler steps
+
+    def admit(self, tokens, overrides: dict | None = None) -> Req:
+        """Admission: match (with the state copy-on-write), lock, row + KV for the extend."""
+        self._rid += 1
+        custom = {REQUEST_PARAM_KEY: overrides} if overrides is not None else None
+        req = Req(rid=f"r{self._rid}", origin_input_text="", origin_input_ids=array("q", tokens),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom))
+        req.init_next_round_input(self.cache)
+        req.lock = self.cache.lock(req.last_node)
+        assert self.pool.alloc([req]) is not None
+        prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
+                  else torch.empty(0, dtype=torch.int64))
+        new = self.alloc.alloc(len(tokens) - req.prefix_len)
+        assert new is not None
+        row = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
+        self.pool.write((req.kv.req_pool_idx, slice(0, len(tokens))), row.to(torch.int32))
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = len(tokens)
+        req.extend_end = len(tokens)
+        self.running.append(req)
+        return req
+
+    def decode(self, req: Req, token: int) -> None:
+        slot = self.alloc.alloc(1)
+        assert slot is not None
+        req.output_ids.append(token)
+        n = req.kv.kv_committed_len
+        self.pool.write((req.kv.req_pool_idx, slice(n, n + 1)), slot.to(torch.int32))
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = n + 1
+
+    def chunk_checkpoint(self, req: Req) -> None:
+        """What chunked prefill does between chunks: publish [0, extend_end) while running."""
+        checkpoint_kv_cache(req, self.cache)
+
+    def finish(self, req: Req, output=()) -> None:
+        for token in output:
+            self.decode(req, token)
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids))
+        release_kv_cache(req, self.cache, checkpoint=True)
+        self.running.remove(req)
+
+    def run(self, tokens, overrides: dict | None = None, output=()) -> Req:
+        req = self.admit(tokens, overrides)
+        self.finish(req, output)
+        return req
+
+    # ---- tree inspection
+
+    def nodes(self):
+        """(node, depth in tokens) for every node but the root."""
+        out, stack = [], [(self.cache.tree_core.root_node, 0)]
+        while stack:
+            node, depth = stack.pop()
+            for child in node.children.values():
+                out.append((child, depth + len(child.key)))
+                stack.append(out[-1])
+        return out
+
+    def state_nodes(self) -> dict[int, int]:
+        """{depth: state slot} for every node holding a recurrent state."""
+        return {depth: int(node.component_data[MAMBA].value.item())
+                for node, depth in self.nodes() if node.component_data[MAMBA].value is not None}
+
+    def depth(self, node_id) -> int:
+        return len(self.cache.path_device_indices(node_id))
+
+    def full_lock(self, node_id) -> int:
+        return self.cache.tree_core.node_by_id(node_id).component_data[FULL].lock_ref
+
+    def tree_kv(self) -> list[int]:
+        return self.cache.all_values_flatten().tolist()
+
+    def assert_no_leak(self) -> None:
+        """Every KV slot and state slot is free, held by the tree or held by a running request
+        (exactly one of these), and the tree's evictable + protected sizes add up."""
+        free_kv = self.alloc.get_all_free_pages().tolist()  # page-1 allocator: pages are slots
+        tree_kv = self.tree_kv()
+        req_kv: list[int] = []
+        for req in self.running:
+            row = self.pool.req_to_token[req.kv.req_pool_idx]
+            req_kv += row[req.kv.cache_protected_len:req.kv.kv_allocated_len].tolist()
+        held = free_kv + tree_kv + req_kv
+        assert len(held) == len(set(held)), "a KV slot is held twice"
+        assert sorted(held) == list(range(1, self.kv_total + 1)), "leaked KV slots"
+
+        free_state = self.pool.mamba_allocator.free_slots.tolist()
+        tree_state = self.cache.all_mamba_values_flatten().tolist()
+        req_state = [int(r.kv.mamba_pool_idx) for r in self.running if r.kv.holds_mamba]
+        held = free_state + tree_state + req_state
+        assert len(held) == len(set(held)), "a state slot is held twice"
+        assert sorted(held) == list(range(1, self.mamba_total + 1)), "leaked state slots"
+
+        c = self.cache
+        assert c.full_evictable_size() + c.full_protected_size() == len(tree_kv)
+        assert c.mamba_evictable_size() + c.mamba_protected_size() == len(tree_state)
+        c.sanity_check()
+
+
+def seq(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+A = seq(1000, 40)
+
+
+def floor_page(n: int, page: int) -> int:
+    return n // page * page
+
+
+# ---------------------------------------------------------------- approximate
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_shared_prefix_reuses_l_minus_w_with_the_tree_tail_kv(page):
+    h = Harness(page)
+    first = h.run(A)
+    assert h.tree_kv() == seq(1, 40)          # position p sits in KV slot p + 1
+    assert h.state_nodes() == {40: 1}         # the exact end state, in state slot 1
+    h.assert_no_leak()
+
+    req = h.admit(A[:30] + seq(5000, 10))
+    matched = floor_page(30, page)            # 30 (page 1) or 28 (page 4)
+    window = 4                                # max(ceil(0.1 * L), 4)
+    prefix = floor_page(matched - window, page)  # 26 (page 1) or 24 (page 4)
+    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, matched, prefix, prefix)
+    assert req.prefix_len == prefix
+    assert h.cache.prefix_device_indices(req).tolist() == seq(1, prefix)
+    # the replayed tail [L - W, L) reads the tree's exact KV
+    assert req.tail_replay_kv_slots.tolist() == seq(prefix + 1, matched - prefix)
+    # the lock covers the whole match, tail included
+    assert h.depth(req.last_node) == matched and h.full_lock(req.last_node) == 1
+    assert h.cache.full_protected_size() == matched
+    # zero state at L - W: no copy from the tree, a fresh slot cleared before the forward
+    assert req.kv.mamba_cow_src_index is None and req.kv.mamba_needs_clear
+    assert int(req.kv.mamba_pool_idx) == 2
+    h.assert_no_leak()
+
+    h.finish(req)
+    # the approximate state was not stored; the attention KV was, in full
+    assert h.state_nodes() == {40: 1}
+    assert h.cache.mamba_evictable_size() == 1 and h.pool.mamba_allocator.available_size() == h.mamba_total - 1
+    assert h.depth(req.last_node) == 40 and len(h.tree_kv()) == 50
+    assert h.cache.tree_core.node_by_id(req.last_node).component_data[MAMBA].value is None
+    assert first.last_node != req.last_node
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_approximate_request_publishes_no_state_at_a_chunk_boundary(page):
+    h = Harness(page)
+    h.run(A)
+    req = h.admit(A[:36] + seq(6000, 12))       # 48 tokens, L = 36, W = 4 -> approximate
+    assert req.tail_replay.kind is HitKind.APPROXIMATE
+    free_states = h.pool.mamba_allocator.available_size()
+    h.chunk_checkpoint(req)
+    # KV published up to the chunk end, but no state: no slot was taken for a copy
+    assert h.depth(req.last_node) == 48
+    assert h.pool.mamba_allocator.available_size() == free_states
+    assert h.state_nodes() == {40: 1}
+    h.assert_no_leak()
+    h.finish(req, output=[7, 8, 9])
+    assert h.state_nodes() == {40: 1}
+    assert h.depth(req.last_node) == floor_page(51, page)
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_exact_request_publishes_its_state_at_a_chunk_boundary(page):
+    # the contrast to the test above: a miss (exact, from zero) donates its state
+    h = Harness(page)
+    req = h.admit(seq(1, 48))
+    assert req.tail_replay.kind is HitKind.MISS
+    h.chunk_checkpoint(req)
+    assert h.state_nodes() == {48: 2}           # a fresh slot holds the copy; the request keeps 1
+    assert int(req.kv.mamba_pool_idx) == 1
+    h.assert_no_leak()
+    h.finish(req)
+    h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- exact
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_full_hit_on_a_checkpoint_replays_nothing(page):
+    h = Harness(page)
+    h.run(A)
+    req = h.admit(A + seq(7000, 8))
+    assert req.tail_replay == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert req.prefix_len == 40 and req.tail_replay_kv_slots is None
+    assert req.kv.mamba_cow_src_index.tolist() == [1] and not req.kv.mamba_needs_clear
+    h.finish(req)
+    assert h.state_nodes() == {40: 1, 48: 2}   # the copy target the match allocated
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_checkpoint_within_the_window_gives_exact_checkpoint(page):
+    h = Harness(page)
+    h.run(A)
+    x = seq(2000, 12)
+    # KV only past the checkpoint: this request keeps no state (per-request override)
+    kv_only = h.run(A + x, overrides={"keep_checkpoints": False})
+    assert kv_only.tail_replay == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert h.state_nodes() == {40: 1} and len(h.tree_kv()) == 52
+    h.assert_no_leak()
+
+    # L = 44, W = max(ceil(4.4), 4) = 5: the checkpoint at 40 is 4 <= 5 back
+    req = h.admit(A + x[:4] + seq(3000, 8))
+    assert req.tail_replay == ReplayPlan(HitKind.EXACT_CHECKPOINT, 44, 40, 40)
+    assert req.prefix_len == 40 and req.tail_replay_kv_slots is None
+    assert h.depth(req.last_node) == 40 and h.full_lock(req.last_node) == 1
+    assert h.cache.prefix_device_indices(req).tolist() == seq(1, 40)
+    assert req.kv.mamba_cow_src_index.tolist() == [1] and not req.kv.mamba_needs_clear
+    h.assert_no_leak()
+    h.finish(req)
+    h.assert_no_leak()
+
+    # L = 52, W = 6: the checkpoint is 12 back -> approximate from floor(46 / page) * page
+    req = h.admit(A + x + seq(4000, 4))
+    prefix = floor_page(46, page)
+    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, 52, prefix, prefix)
+    assert req.tail_replay_kv_slots.tolist() == seq(prefix + 1, 52 - prefix)
+    assert req.kv.mamba_cow_src_index is None
+    h.finish(req)
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_window_covering_the_match_replays_everything_from_zero(page):
+    h = Harness(page)
+    h.run(A)
+    req = h.admit(A[:4] + seq(8000, 10))  # L = 4 = W
+    assert req.tail_replay == ReplayPlan(HitKind.EXACT_REPLAY, 4, 0, 0)
+    assert req.prefix_len == 0
+    assert req.tail_replay_kv_slots.tolist() == [1, 2, 3, 4]
+    assert h.depth(req.last_node) == 4 and h.full_lock(req.last_node) == 1
+    assert req.kv.mamba_cow_src_index is None and req.kv.mamba_needs_clear
+    h.finish(req)
+    # an exact replay's state is exact: it is stored (14 tokens; page 4 keeps none, see below)
+    if page == 1:
+        assert h.state_nodes() == {40: 1, 14: 2}
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_short_match_without_checkpoint_is_a_miss(page):
+    config = TailReplayConfig(budget=0.0, min_replay_tokens=2, max_replay_tokens=64, min_match_tokens=8)
+    h = Harness(page, config)
+    h.run(A)
+    req = h.admit(A[:6] + seq(9000, 10))        # L = 6 (page 1) or 4 (page 4) < 8, W = 2
+    assert req.tail_replay == ReplayPlan(HitKind.MISS, floor_page(6, page), 0, 0)
+    assert req.prefix_len == 0 and req.tail_replay_kv_slots is None
+    assert req.last_node == h.cache.root_node_handle()
+    assert h.cache.full_protected_size() == 0
+    h.finish(req)
+    h.assert_no_leak()
+
+
+def test_recompute_kv_mode_hands_out_no_tail_slots():
+    h = Harness(1, TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="recompute"))
+    h.run(A)
+    req = h.admit(A[:30] + seq(5000, 10))
+    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, 30, 26, 26)
+    assert req.tail_replay_kv_slots is None
+    h.finish(req)
+    h.assert_no_leak()
+
+
+def test_request_overrides_change_the_plan():
+    h = Harness(1)
+    h.run(A)
+    req = h.admit(A[:30] + seq(5000, 10), overrides={"budget": 0.5})
+    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, 30, 15, 15)
+    assert req.tail_replay_kv_slots.tolist() == seq(16, 15)
+    h.finish(req)
+    req = h.admit(A[:30] + seq(6000, 10), overrides={"min_replay_tokens": 64, "max_replay_tokens": 64})
+    assert req.tail_replay == ReplayPlan(HitKind.EXACT_REPLAY, 30, 0, 0)
+    h.finish(req)
+    h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- keep_checkpoints=False
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_without_checkpoints_the_tree_never_holds_a_state(page):
+    h = Harness(page, TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8,
+                                       keep_checkpoints=False))
+    baseline = h.pool.mamba_allocator.available_size()
+    first = h.run(A, output=[1, 2, 3])
+    assert first.tail_replay.kind is HitKind.MISS
+    assert h.state_nodes() == {} and h.pool.mamba_allocator.available_size() == baseline
+
+    # running requests hold exactly one slot each, the tree none
+    reqs = [h.admit(A[:30] + seq(5000, 10)), h.admit(A + seq(6000, 5)), h.admit(A[:4] + seq(7000, 9))]
+    assert [r.tail_replay.kind for r in reqs] == [HitKind.APPROXIMATE, HitKind.APPROXIMATE, HitKind.EXACT_REPLAY]
+    assert h.pool.mamba_allocator.available_size() == baseline - 3
+    h.chunk_checkpoint(reqs[1])
+    assert h.state_nodes() == {} and h.pool.mamba_allocator.available_size() == baseline - 3
+    h.assert_no_leak()
+    for r in reqs:
+        h.finish(r, output=[11, 12])
+        assert h.state_nodes() == {}
+        h.assert_no_leak()
+    assert h.pool.mamba_allocator.available_size() == baseline
+    assert h.cache.mamba_evictable_size() == 0 and h.cache.mamba_protected_size() == 0
+    assert h.cache.all_mamba_values_flatten().numel() == 0
+    # all the attention KV is cached: 43 + (42 - 30) + (47 - 40) + (15 - 4), page-floored
+    assert h.cache.full_evictable_size() == floor_page(43, page) + sum(
+        floor_page(n, page) - floor_page(m, page) for n, m in ((42, 30), (47, 40), (15, 4)))
+
+
+# ---------------------------------------------------------------- page > 1: state depth
+
+
+def test_a_stored_state_sits_at_the_depth_it_was_computed_at():
+    """page 4 (no extra buffer): a 42-token request's end state has seen 42 tokens, but the
+    tree only keeps 40 (page-aligned). Storing it at depth 40 hands later requests a state
+    that has seen 2 tokens more than its position: an EXACT_CHECKPOINT that is not exact."""
+    h = Harness(4)
+    h.run(seq(1000, 42))
+    for depth, _slot in h.state_nodes().items():
+        assert depth == 42, f"a 42-token state is stored at depth {depth}"
+    h.assert_no_leak()
+    req = h.admit(seq(1000, 42) + [1, 2, 3])
+    assert req.tail_replay.kind is not HitKind.EXACT_CHECKPOINT, req.tail_replay
