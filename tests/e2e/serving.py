@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 NEW_TOKENS = 6
@@ -25,3 +27,9 @@ def assert_matches_reference(result, reference, atol=LOGPROB_ATOL):
     assert result["output_ids"] == reference.output_ids
     out_lp = [x[0] for x in result["meta_info"]["output_token_logprobs"]]
     torch.testing.assert_close(torch.tensor(out_lp), torch.tensor(reference.output_logprobs), atol=atol, rtol=0)
+
+
+def metric_total(metrics_text: str, name: str, labels: str = "") -> float:
+    """Sum of a Prometheus sample over label sets (optionally those containing `labels`)."""
+    pattern = rf"^{re.escape(name)}(?:{{[^}}]*{re.escape(labels)}[^}}]*}})? ([0-9.e+]+)$"
+    return sum(float(v) for v in re.findall(pattern, metrics_text, re.M))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,10 +10,7 @@ import torch
 
 from sglang_ext.reference import greedy_reference, load_reference_model
 from sglang_ext.testing import ServerProcess
-
-NEW_TOKENS = 6
-LOGPROB_ATOL = 1e-4
-
+from tests.e2e.serving import LOGPROB_ATOL, NEW_TOKENS, assert_matches_reference, greedy, metric_total, random_prompt
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory):
@@ -34,66 +30,42 @@ def hf_model(model_dir):
     return load_reference_model(model_dir)
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 500, (length,), generator=gen).tolist()
-
-
-def _generate(server, ids, new_tokens=NEW_TOKENS, input_logprobs=False):
-    """Greedy generation with output logprobs (input logprobs force a full recompute: no reuse)."""
-    return server.generate(input_ids=ids, sampling_params={"max_new_tokens": new_tokens, "temperature": 0},
-                           return_logprob=True, logprob_start_len=0 if input_logprobs else -1)
-
-
-def _assert_matches_reference(result, reference):
-    assert result["output_ids"] == reference.output_ids
-    out_lp = [x[0] for x in result["meta_info"]["output_token_logprobs"]]
-    torch.testing.assert_close(torch.tensor(out_lp), torch.tensor(reference.output_logprobs),
-                               atol=LOGPROB_ATOL, rtol=0)
-
-
 @pytest.mark.parametrize("length", [3, 64, 129, 517])
 def test_greedy_output_and_logprobs_equal_transformers(server, hf_model, length):
-    ids = _prompt(length, seed=length)
-    result = _generate(server, ids, input_logprobs=True)
+    ids = random_prompt(length, seed=length)
+    result = greedy(server, ids, input_logprobs=True)
     reference = greedy_reference(hf_model, ids, NEW_TOKENS)
-    _assert_matches_reference(result, reference)
+    assert_matches_reference(result, reference)
     in_lp = [x[0] for x in result["meta_info"]["input_token_logprobs"][1:]]
     torch.testing.assert_close(torch.tensor(in_lp), torch.tensor(reference.input_logprobs),
                                atol=LOGPROB_ATOL, rtol=0)
 
 
 def test_cached_prefix_is_reported_and_output_unchanged(server, hf_model):
-    first_ids = _prompt(300, seed=7)
-    first = _generate(server, first_ids)
-    follow_up = first_ids + first["output_ids"] + _prompt(20, seed=8)
-    second = _generate(server, follow_up)
+    first_ids = random_prompt(300, seed=7)
+    first = greedy(server, first_ids)
+    follow_up = first_ids + first["output_ids"] + random_prompt(20, seed=8)
+    second = greedy(server, follow_up)
     # SGLang caches the finished sequence minus its last token.
     assert second["meta_info"]["cached_tokens"] >= len(first_ids)
-    _assert_matches_reference(second, greedy_reference(hf_model, follow_up, NEW_TOKENS))
-
-
-def _counter(metrics_text: str, name: str) -> float:
-    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics_text, re.M)
-    assert values, f"{name} missing from /metrics"
-    return sum(float(v) for v in values)
+    assert_matches_reference(second, greedy_reference(hf_model, follow_up, NEW_TOKENS))
 
 
 def test_metrics_counters_move(server):
     before = requests.get(f"{server.url}/metrics", timeout=30).text
-    ids = _prompt(200, seed=11)
-    first = _generate(server, ids, new_tokens=2)
-    _generate(server, ids + first["output_ids"] + [42], new_tokens=2)
+    ids = random_prompt(200, seed=11)
+    first = greedy(server, ids, new_tokens=2)
+    greedy(server, ids + first["output_ids"] + [42], new_tokens=2)
     after = requests.get(f"{server.url}/metrics", timeout=30).text
     for name in ("sglang:prompt_tokens_total", "sglang:cached_tokens_total"):
-        assert _counter(after, name) > _counter(before, name), name
+        assert metric_total(after, name) > metric_total(before, name), name
 
 
 def test_concurrent_requests_equal_sequential(server):
-    prompts = [_prompt(n, seed=100 + n) for n in (5, 40, 90, 150, 260, 33)]
-    sequential = [_generate(server, p)["output_ids"] for p in prompts]
+    prompts = [random_prompt(n, seed=100 + n) for n in (5, 40, 90, 150, 260, 33)]
+    sequential = [greedy(server, p)["output_ids"] for p in prompts]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        concurrent = list(pool.map(lambda p: _generate(server, p)["output_ids"], prompts))
+        concurrent = list(pool.map(lambda p: greedy(server, p)["output_ids"], prompts))
     assert concurrent == sequential
 
 

@@ -14,7 +14,7 @@ import torch
 
 from sglang_ext.reference import greedy_reference, load_reference_model
 from sglang_ext.testing import ServerProcess, start_servers, stop_servers
-from tests.e2e.serving import assert_matches_reference, random_prompt
+from tests.e2e.serving import assert_matches_reference, metric_total, random_prompt
 
 L = 320              # shared prefix (document) length
 SUFFIX = 40          # question tokens after the document
@@ -28,13 +28,25 @@ OVERRIDES = {
 }
 
 
+#: the Nemotron-H server runs without checkpoints: one state slot per running request
+PURE_CONFIG = {**SERVER_CONFIG, "keep_checkpoints": False}
+PURE_SLOTS = 4
+
+
+def _server_args(config: dict) -> list[str]:
+    return ["--dtype", "float32", "--radix-cache-backend", "tail_replay",
+            "--tail-replay-config", json.dumps(config), "--chunked-prefill-size", "64"]
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tail_replay_logs")
-    args = ["--dtype", "float32", "--radix-cache-backend", "tail_replay",
-            "--tail-replay-config", json.dumps(SERVER_CONFIG), "--chunked-prefill-size", "64"]
-    procs = {arch: ServerProcess(str(tiny_model_factory(arch)), args, log_path=logs / f"{arch}.log")
-             for arch in ("qwen3-next", "nemotron-h")}
+    pure_args = [*_server_args(PURE_CONFIG), "--max-mamba-cache-size", str(PURE_SLOTS),
+                 "--max-running-requests", str(PURE_SLOTS)]
+    procs = {"qwen3-next": ServerProcess(str(tiny_model_factory("qwen3-next")), _server_args(SERVER_CONFIG),
+                                         log_path=logs / "qwen3-next.log"),
+             "nemotron-h": ServerProcess(str(tiny_model_factory("nemotron-h")), pure_args,
+                                         log_path=logs / "nemotron-h.log")}
     start_servers(list(procs.values()))
     try:
         yield procs
@@ -96,10 +108,13 @@ def _suffix_logprob_distance(server, overrides, reference, document, question) -
 def test_logprob_distance_shrinks_as_the_window_grows(servers, hf_qwen):
     document, question = random_prompt(L, seed=5), random_prompt(SUFFIX, seed=6)
     reference = greedy_reference(hf_qwen, document + question, 1)
-    distance = {name: _suffix_logprob_distance(servers["qwen3-next"], overrides, reference, document, question)
+    # No request here stores states, so no run can find another's checkpoint at depth L.
+    distance = {name: _suffix_logprob_distance(servers["qwen3-next"], {**overrides, "keep_checkpoints": False},
+                                               reference, document, question)
                 for name, overrides in OVERRIDES.items()}
     print("mean |logprob - full prefill| over the question:", json.dumps(distance))
-    assert distance["wL"] < 1e-4
+    assert distance["wL"] < 1e-4 < distance["w16"]
+    assert distance["w4_recompute"] != distance["w4"]   # the tail's KV is recomputed, not copied
     assert distance["w4"] <= distance["w16"] + 1e-6
     assert distance["wL"] <= distance["w4"] + 1e-6
 
@@ -115,22 +130,17 @@ def test_a_checkpoint_within_the_window_is_used_exactly(servers, hf_qwen):
     assert_matches_reference(second, greedy_reference(hf_qwen, follow_up, 6))
 
 
-def _counter(text: str, name: str, labels: str = "") -> float:
-    pattern = rf"^{re.escape(name)}(?:{{{labels}[^}}]*}})? ([0-9.e+]+)$"
-    return sum(float(v) for v in re.findall(pattern, text, re.M))
-
-
 def test_metrics_count_matched_and_replayed_tokens(servers):
     server = servers["qwen3-next"]
     before = requests.get(f"{server.url}/metrics", timeout=30).text
     _warm_then_ask(server, random_prompt(L, seed=9), random_prompt(SUFFIX, seed=10), OVERRIDES["w4"])
     after = requests.get(f"{server.url}/metrics", timeout=30).text
-    assert _counter(after, "sglang_ext:tail_replay_matched_tokens_total") - \
-        _counter(before, "sglang_ext:tail_replay_matched_tokens_total") == L
-    assert _counter(after, "sglang_ext:tail_replay_replayed_tokens_total") - \
-        _counter(before, "sglang_ext:tail_replay_replayed_tokens_total") == L // 4
+    assert metric_total(after, "sglang_ext:tail_replay_matched_tokens_total") - \
+        metric_total(before, "sglang_ext:tail_replay_matched_tokens_total") == L
+    assert metric_total(after, "sglang_ext:tail_replay_replayed_tokens_total") - \
+        metric_total(before, "sglang_ext:tail_replay_replayed_tokens_total") == L // 4
     approx = 'kind="approximate"'
-    assert _counter(after, "sglang_ext:tail_replay_hits_total", approx) > _counter(
+    assert metric_total(after, "sglang_ext:tail_replay_hits_total", approx) > metric_total(
         before, "sglang_ext:tail_replay_hits_total", approx)
 
 
@@ -142,6 +152,19 @@ def test_without_checkpoints_a_continuation_is_replayed(servers):
     # The first request left no state in the tree, so its own continuation is replayed.
     assert _details(second)["kind"] == "approximate"
     assert second["meta_info"]["cached_tokens"] >= L - L // 16
+
+
+def test_without_checkpoints_one_state_slot_per_request_is_enough(servers):
+    server = servers["nemotron-h"]
+    assert f"max_running_requests={PURE_SLOTS}" in server.log_text()
+    assert "capped" not in server.log_text()
+    document = random_prompt(L, seed=40)
+    ask(server, document + [7], new_tokens=1)
+    prompts = [document + random_prompt(8, seed=41 + i) for i in range(PURE_SLOTS)]
+    with ThreadPoolExecutor(max_workers=PURE_SLOTS) as pool:
+        results = list(pool.map(lambda p: ask(server, p), prompts))
+    assert all(r["meta_info"]["completion_tokens"] == 6 for r in results)
+    assert {_details(r)["kind"] for r in results} == {"approximate"}
 
 
 def test_concurrent_clients_with_overlapping_prefixes(servers):

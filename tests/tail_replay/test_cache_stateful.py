@@ -1,0 +1,335 @@
+"""Hypothesis state machine over TailReplayRadixCache on small real SGLang pools (the kit's
+Full + Mamba fixture): random admit (match + lock + allocate) / decode / chunk checkpoint /
+finish / abort / match-only / match-then-drop / lock (inc_lock_ref) / unlock / evict steps.
+
+After every step: no leaked KV slot or state slot (free + tree-held + request-held covers every
+slot exactly once), the tree's evictable + protected sizes add up to what it holds (and SGLang's
+own `sanity_check` passes), and after an eviction every locked node is still there with its
+values. States of approximate requests never enter the tree, a stored state sits at the depth
+it was computed at, and with keep_checkpoints=False the tree never holds a state.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+import patches  # noqa: E402
+
+patches.apply_patches("cpu")  # before any SGLang import
+
+from array import array  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
+from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
+
+from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache  # noqa: E402
+from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
+from sglang_ext.tail_replay.planner import HitKind  # noqa: E402
+
+FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
+KV_SIZE = 160
+MAMBA_SIZE = 12
+MAX_RUNNING = 4        # each holds one state slot, and may lock one tree state
+MAX_EXTRA_LOCKS = 2    # inc_lock_ref by hand; each may lock one tree state
+#: three stems so that requests share prefixes of every length
+STEMS = [list(range(1000 * (i + 1), 1000 * (i + 1) + 48)) for i in range(3)]
+
+prompts = st.builds(
+    lambda stem, cut, tail: STEMS[stem][:cut] + tail,
+    st.integers(0, 2),
+    st.integers(0, 48),
+    st.lists(st.integers(1, 6), min_size=1, max_size=12),
+)
+
+
+def build_cache(page_size: int, config: TailReplayConfig):
+    cfg = CacheConfig(page_size=page_size, components=(FULL, MAMBA), kv_size=KV_SIZE,
+                      mamba_cache_size=MAMBA_SIZE, max_num_reqs=MAX_RUNNING + 2, max_context_len=128)
+    cache_class = type("TailReplayRadixCache", (TailReplayRadixCache,), {"tail_replay_config": config})
+    with mock.patch.object(kit, "UnifiedRadixCache", cache_class):
+        return kit.build_fixture(cfg, component_registry_override={MAMBA: TailReplayMambaComponent})
+
+
+class TailReplayCacheMachine(RuleBasedStateMachine):
+    page_size = 1
+    config = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=32, min_match_tokens=8)
+
+    @initialize()
+    def setup(self):
+        self.cache, self.alloc, self.pool = build_cache(self.page_size, self.config)
+        self.kv_total = self.alloc.available_size()
+        self.mamba_total = self.pool.mamba_allocator.available_size()
+        assert (self.kv_total, self.mamba_total) == (KV_SIZE, MAMBA_SIZE)
+        self.running: list[Req] = []
+        self.extra_locks: list[tuple[int, object]] = []
+        self.rid = 0
+
+    # ---------------------------------------------------------------- helpers
+
+    def new_req(self, tokens) -> Req:
+        self.rid += 1
+        return Req(rid=f"r{self.rid}", origin_input_text="", origin_input_ids=array("q", tokens),
+                   sampling_params=SamplingParams(temperature=0, max_new_tokens=16))
+
+    def ensure_kv(self, need: int) -> bool:
+        short = need - self.alloc.available_size()
+        if short > 0:
+            self.cache.evict(EvictParams(num_tokens=short))
+        return self.alloc.available_size() >= need
+
+    def node(self, node_id):
+        return self.cache.tree_core.node_by_id(node_id)
+
+    def nodes(self):
+        out, stack = [], [(self.cache.tree_core.root_node, 0)]
+        while stack:
+            node, depth = stack.pop()
+            for child in node.children.values():
+                out.append((child, depth + len(child.key)))
+                stack.append(out[-1])
+        return out
+
+    def state_depths(self) -> dict[int, int]:
+        """{state slot: depth} over the tree's nodes holding a state."""
+        return {int(n.component_data[MAMBA].value.item()): d
+                for n, d in self.nodes() if n.component_data[MAMBA].value is not None}
+
+    def release(self, req: Req, *, finish: bool) -> None:
+        """Finish (insert, then free) or abort (free only) a running request."""
+        exact = req.tail_replay.state_is_exact and self.config.keep_checkpoints
+        slot = int(req.kv.mamba_pool_idx)
+        seqlen = req.kv.kv_committed_len
+        req.finished_reason = FINISH_LENGTH(length=len(req.output_ids)) if finish else FINISH_ABORT()
+        release_kv_cache(req, self.cache, checkpoint=finish)
+        self.running.remove(req)
+        assert not req.kv.holds_kv and not req.kv.holds_mamba
+        depth = self.state_depths().get(slot)
+        if not exact or not finish:
+            assert depth is None, f"state of {req.tail_replay} (finish={finish}) stored at depth {depth}"
+        elif depth is not None:
+            assert depth == seqlen, f"a state computed over {seqlen} tokens is stored at depth {depth}"
+
+    # ---------------------------------------------------------------- rules
+
+    @precondition(lambda self: len(self.running) < MAX_RUNNING)
+    @rule(tokens=prompts)
+    def admit(self, tokens):
+        req = self.new_req(tokens)
+        req.init_next_round_input(self.cache)
+        plan = req.tail_replay
+        assert req.prefix_len == plan.prefix_len <= plan.matched_tokens < len(tokens)
+        assert plan.matched_tokens % self.page_size == 0
+        req.lock = self.cache.lock(req.last_node)
+        if plan.kind is HitKind.EXACT_CHECKPOINT:
+            assert req.kv.holds_mamba and req.kv.mamba_cow_src_index is not None
+        else:
+            assert not req.kv.holds_mamba and req.kv.mamba_cow_src_index is None
+        if self.pool.mamba_allocator.available_size() == 0 and not req.kv.holds_mamba:
+            self.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+        need = len(tokens) - req.prefix_len
+        if self.pool.mamba_allocator.available_size() == 0 and not req.kv.holds_mamba or not self.ensure_kv(need):
+            # not admitted: drop the lock and the state slot the match may have taken
+            self.cache.unlock(req.lock)
+            req.lock = None
+            release_kv_cache(req, self.cache, checkpoint=False)
+            assert not req.kv.holds_mamba
+            return
+        assert self.pool.alloc([req]) is not None
+        prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
+                  else torch.empty(0, dtype=torch.int64))
+        if plan.kind is HitKind.APPROXIMATE and self.config.kv_mode == "exact":
+            # the tail's slots are the tree's slots right after the request's prefix
+            path = self.cache.path_device_indices(req.last_node)
+            assert torch.equal(req.tail_replay_kv_slots, path[plan.prefix_len:plan.matched_tokens])
+            assert len(req.tail_replay_kv_slots) == plan.replayed_tokens
+        new = self.alloc.alloc(need)
+        row = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
+        self.pool.write((req.kv.req_pool_idx, slice(0, len(tokens))), row.to(torch.int32))
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = len(tokens)
+        req.extend_end = len(tokens)
+        self.running.append(req)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=st.integers(1, 6))
+    def decode(self, data, token):
+        req = data.draw(st.sampled_from(self.running))
+        if len(req.origin_input_ids) + len(req.output_ids) >= 120 or not self.ensure_kv(1):
+            return
+        slot = self.alloc.alloc(1)
+        n = req.kv.kv_committed_len
+        req.output_ids.append(token)
+        self.pool.write((req.kv.req_pool_idx, slice(n, n + 1)), slot.to(torch.int32))
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = n + 1
+
+    @precondition(lambda self: any(not r.output_ids for r in self.running))
+    @rule(data=st.data())
+    def chunk_checkpoint(self, data):
+        """Chunked prefill publishes [0, extend_end) of a running (prefilling) request."""
+        req = data.draw(st.sampled_from([r for r in self.running if not r.output_ids]))
+        before = set(self.state_depths())
+        exact = req.tail_replay.state_is_exact and self.config.keep_checkpoints
+        checkpoint_kv_cache(req, self.cache)
+        added = set(self.state_depths()) - before
+        if not exact:
+            assert not added, f"a {req.tail_replay.kind} request published a state"
+        for slot in added:
+            assert self.state_depths()[slot] == req.extend_end
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data):
+        self.release(data.draw(st.sampled_from(self.running)), finish=True)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def abort(self, data):
+        self.release(data.draw(st.sampled_from(self.running)), finish=False)
+
+    @rule(tokens=prompts)
+    def match_only(self, tokens):
+        result = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        # no request, no plan: the match runs as deep as the attention KV
+        assert result.device_prefix_len == len(self.cache.path_device_indices(result.last_device_node))
+
+    @rule(tokens=prompts)
+    def match_then_drop(self, tokens):
+        """A request matched (and maybe given a state copy) but never admitted."""
+        req = self.new_req(tokens)
+        req.init_next_round_input(self.cache)
+        release_kv_cache(req, self.cache, checkpoint=False)
+        assert not req.kv.holds_mamba
+
+    @precondition(lambda self: len(self.extra_locks) < MAX_EXTRA_LOCKS)
+    @rule(tokens=prompts)
+    def lock(self, tokens):
+        result = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
+        node = result.last_device_node
+        if node != self.cache.root_node_handle():
+            self.extra_locks.append((node, self.cache.inc_lock_ref(node).to_dec_params()))
+
+    @precondition(lambda self: self.extra_locks)
+    @rule(data=st.data())
+    def unlock(self, data):
+        i = data.draw(st.integers(0, len(self.extra_locks) - 1))
+        node, receipt = self.extra_locks.pop(i)
+        self.cache.dec_lock_ref(node, receipt)
+
+    @rule(num_tokens=st.integers(0, 64), mamba_num=st.integers(0, 4))
+    def evict(self, num_tokens, mamba_num):
+        locked = {}
+        for n, _ in self.nodes():
+            full, state = n.component_data[FULL], n.component_data[MAMBA]
+            if full.lock_ref > 0:
+                locked[n.id] = (full.value.tolist(),
+                                state.value.tolist() if state.lock_ref > 0 and state.value is not None else None)
+        tree_kv = len(self.cache.all_values_flatten())
+        tree_states = len(self.cache.all_mamba_values_flatten())
+        evictable, states_evictable = self.cache.full_evictable_size(), self.cache.mamba_evictable_size()
+        result = self.cache.evict(EvictParams(num_tokens=num_tokens, mamba_num=mamba_num))
+        assert len(self.cache.all_values_flatten()) == tree_kv - result.num_tokens_evicted
+        assert len(self.cache.all_mamba_values_flatten()) == tree_states - result.mamba_num_evicted
+        alive = {n.id: n for n, _ in self.nodes()}
+        for node_id, (kv, state) in locked.items():
+            assert node_id in alive, f"locked node {node_id} was evicted"
+            node = alive[node_id]
+            assert node.component_data[FULL].value.tolist() == kv
+            if state is not None:
+                assert node.component_data[MAMBA].value is not None
+                assert node.component_data[MAMBA].value.tolist() == state
+        # asking for no more than what is evictable gets at least that much
+        if num_tokens <= evictable:
+            assert result.num_tokens_evicted >= num_tokens
+        if mamba_num <= states_evictable:
+            assert result.mamba_num_evicted >= mamba_num
+
+    # ---------------------------------------------------------------- invariants
+
+    @invariant()
+    def no_leak_and_sizes_add_up(self):
+        if not hasattr(self, "cache"):
+            return
+        free_kv = self.alloc.get_all_free_pages().tolist()
+        tree_kv = self.cache.all_values_flatten().tolist()
+        req_kv = []
+        for req in self.running:
+            row = self.pool.req_to_token[req.kv.req_pool_idx]
+            req_kv += row[req.kv.cache_protected_len:req.kv.kv_allocated_len].tolist()
+        held = free_kv + tree_kv + req_kv
+        assert len(held) == len(set(held)), "a KV slot is held twice"
+        assert sorted(held) == list(range(1, self.kv_total + 1)), "leaked KV slots"
+
+        free_state = self.pool.mamba_allocator.free_slots.tolist()
+        tree_state = self.cache.all_mamba_values_flatten().tolist()
+        req_state = [int(r.kv.mamba_pool_idx) for r in self.running]
+        held = free_state + tree_state + req_state
+        assert len(held) == len(set(held)), "a state slot is held twice"
+        assert sorted(held) == list(range(1, self.mamba_total + 1)), "leaked state slots"
+
+        c = self.cache
+        assert c.full_evictable_size() + c.full_protected_size() == len(tree_kv)
+        assert c.mamba_evictable_size() + c.mamba_protected_size() == len(tree_state)
+        assert c.evictable_size() + c.protected_size() == len(tree_kv)
+        # what the locks cover is protected, the rest evictable
+        protected = sum(len(n.component_data[FULL].value) for n, _ in self.nodes()
+                        if n.component_data[FULL].lock_ref > 0)
+        assert c.full_protected_size() == protected
+        if not self.running and not self.extra_locks:
+            assert c.full_protected_size() == 0 and c.mamba_protected_size() == 0
+        if not self.config.keep_checkpoints:
+            assert tree_state == []
+        for req in self.running:  # a running request's locked path is intact
+            assert len(c.path_device_indices(req.last_node)) >= req.kv.cache_protected_len
+        c.sanity_check()
+
+
+SETTINGS = settings(max_examples=50, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+
+class PageOneMachine(TailReplayCacheMachine):
+    page_size = 1
+
+
+class PagedNoCheckpointsMachine(TailReplayCacheMachine):
+    page_size = 4
+    config = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=32, min_match_tokens=8,
+                              keep_checkpoints=False)
+
+
+class PagedMachine(TailReplayCacheMachine):
+    page_size = 4
+
+
+class PageOneRecomputeMachine(TailReplayCacheMachine):
+    page_size = 1
+    config = TailReplayConfig(budget=0.25, min_replay_tokens=2, max_replay_tokens=8, min_match_tokens=4,
+                              kv_mode="recompute")
+
+
+TestPageOne = PageOneMachine.TestCase
+TestPageOne.settings = SETTINGS
+TestPagedNoCheckpoints = PagedNoCheckpointsMachine.TestCase
+TestPagedNoCheckpoints.settings = SETTINGS
+TestPaged = PagedMachine.TestCase
+TestPaged.settings = SETTINGS
+TestPageOneRecompute = PageOneRecomputeMachine.TestCase
+TestPageOneRecompute.settings = settings(SETTINGS, max_examples=20)
