@@ -4,7 +4,8 @@ sees the tree's exact cached K/V for it; plus Tail-Replay's metrics and `meta_in
 Targets (SGLang 0.5.23):
 - `srt/model_executor/forward_batch_info.py::ForwardBatch.init_new`: per extend forward, find
   the rows of the packed batch that belong to a request's replayed tail [prefix_len, L), and the
-  tree's KV slots for them (`req.tail_replay_kv_slots`, set by the tail_replay cache at match).
+  tree's KV slots for them (`req.tail_replay_kv_slots`, set by the tail_replay cache at match);
+  kept in a small registry keyed by objects that the runners' copies of the batch share.
 - `srt/layers/radix_attention.py::RadixAttention.forward`: before the attention backend
   stores and reads K/V, those rows of k / v are replaced by the cached values. Because the
   substitution happens ahead of the backend, it holds for every backend (ragged or paged), and
@@ -20,8 +21,16 @@ Requests without a Tail-Replay decision are untouched.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 import torch
+
+#: tail rows/slots of recent extend batches, keyed by id() of the batch's `extend_seq_lens_cpu`
+#: list and `extend_seq_lens` tensor. SGLang's model runners run the model on copies of the
+#: ForwardBatch (dataclass replace / copy.copy), which drop attributes set on the original but
+#: share those objects; the registry keeps them alive, so their ids are not reused meanwhile.
+_TAIL_BY_BATCH: "OrderedDict[int, tuple]" = OrderedDict()
+_MAX_BATCHES_IN_FLIGHT = 8
 
 TARGET = ("srt/model_executor/forward_batch_info.py: ForwardBatch.init_new; "
           "srt/sampling/sampling_params.py: SamplingParams.verify; "
@@ -59,23 +68,41 @@ def _wrap_init_new(original):
     @functools.wraps(original)
     def init_new(cls, batch, model_runner, **kwargs):
         fb = original.__func__(cls, batch, model_runner, **kwargs)
-        fb.tail_replay_rows = fb.tail_replay_slots = None
         if fb.forward_mode.is_extend() and not fb.forward_mode.is_target_verify():
             _record_first_forward(batch.reqs)
             prefix = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
             extend = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
             rows, slots = _tail_rows_and_slots(batch.reqs, prefix, extend)
             if rows is not None:
-                fb.tail_replay_rows, fb.tail_replay_slots = rows.to(fb.input_ids.device), slots
+                _remember(_batch_keys(fb), rows.to(fb.input_ids.device), slots, model_runner.token_to_kv_pool)
         return fb
 
     return classmethod(init_new)
 
 
-def substitute_cached_kv(layer, k, v, forward_batch) -> None:
+def _batch_keys(forward_batch) -> list:
+    keys = (getattr(forward_batch, "extend_seq_lens_cpu", None), getattr(forward_batch, "extend_seq_lens", None))
+    return [key for key in keys if key is not None]
+
+
+def _remember(keys, rows, slots, kv_pool) -> None:
+    for key in keys:
+        _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool)
+    while len(_TAIL_BY_BATCH) > 2 * _MAX_BATCHES_IN_FLIGHT:
+        _TAIL_BY_BATCH.popitem(last=False)
+
+
+def tail_of(forward_batch):
+    """(rows, slots, kv pool) of the replayed tails in this forward batch (or a copy of it), or None."""
+    for key in _batch_keys(forward_batch):
+        entry = _TAIL_BY_BATCH.get(id(key))
+        if entry is not None and entry[0] is key:
+            return entry[1:]
+    return None
+
+
+def substitute_cached_kv(layer, k, v, rows, slots, pool) -> None:
     """k, v: [tokens, heads, dim] (post-RoPE); overwrite the tail rows with the pool's values."""
-    rows, slots = forward_batch.tail_replay_rows, forward_batch.tail_replay_slots
-    pool = forward_batch.token_to_kv_pool
     k_cached = pool.get_key_buffer(layer.layer_id)[slots]
     v_cached = pool.get_value_buffer(layer.layer_id)[slots]
     if k_cached.dtype != k.dtype and k_cached.element_size() < 2:
@@ -88,10 +115,11 @@ def substitute_cached_kv(layer, k, v, forward_batch) -> None:
 def _wrap_attention_forward(original):
     @functools.wraps(original)
     def forward(self, q, k, v, forward_batch, *args, **kwargs):
-        if k is not None and getattr(forward_batch, "tail_replay_rows", None) is not None and "k_rope" not in kwargs:
+        tail = tail_of(forward_batch) if k is not None and "k_rope" not in kwargs else None
+        if tail is not None and forward_batch.forward_mode.is_extend():
             k = k.view(-1, self.tp_k_head_num, self.qk_head_dim)
             v = v.view(-1, self.tp_v_head_num, self.v_head_dim)
-            substitute_cached_kv(self, k, v, forward_batch)
+            substitute_cached_kv(self, k, v, *tail)
         return original(self, q, k, v, forward_batch, *args, **kwargs)
 
     return forward
@@ -136,3 +164,4 @@ def apply() -> None:
     SamplingParams.verify = _wrap_verify(SamplingParams.verify)
     SchedulerOutputStreamer.get_cached_tokens_details = _wrap_cached_tokens_details(
         SchedulerOutputStreamer.get_cached_tokens_details)
+

@@ -8,7 +8,6 @@ own seams and leaves SGLang's arguments and fast paths alone.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 from sglang_ext.env import export_conv_state_dtype, export_patch_mode, export_tail_replay_config

@@ -19,7 +19,7 @@ import numpy as np
 from sglang_ext.eviction import NEVER, EntryInfo, EvictionPolicy, RequestInfo
 
 from .cost_model import PrefillCostModel
-from .tree import NodeTree, RequestPaths
+from .tree import NodeTree
 
 
 @dataclass

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import ctypes
 
-import torch
-
 
 def assign_req_to_token_pool_cpu(req_pool_indices, req_to_token, start_offset, end_offset,
                                  out_cache_loc, pool_len):

@@ -23,10 +23,22 @@ def greedy(server, ids, new_tokens=NEW_TOKENS, input_logprobs=False, logprob_sta
                            return_logprob=True, logprob_start_len=start)
 
 
-def assert_matches_reference(result, reference, atol=LOGPROB_ATOL):
+def assert_matches_reference(result, reference, atol=LOGPROB_ATOL, input_logprobs=False):
+    """Same greedy ids and output logprobs (and prompt logprobs, if they were requested)."""
     assert result["output_ids"] == reference.output_ids
     out_lp = [x[0] for x in result["meta_info"]["output_token_logprobs"]]
     torch.testing.assert_close(torch.tensor(out_lp), torch.tensor(reference.output_logprobs), atol=atol, rtol=0)
+    if input_logprobs:
+        in_lp = [x[0] for x in result["meta_info"]["input_token_logprobs"][1:]]
+        torch.testing.assert_close(torch.tensor(in_lp), torch.tensor(reference.input_logprobs), atol=atol, rtol=0)
+
+
+def continue_conversation(server, first_len=300, seed=7):
+    """Send a prompt, then prompt + answer + a new turn; return (follow-up ids, its result)."""
+    first_ids = random_prompt(first_len, seed=seed)
+    first = greedy(server, first_ids)
+    follow_up = first_ids + first["output_ids"] + random_prompt(20, seed=seed + 1)
+    return follow_up, greedy(server, follow_up)
 
 
 def metric_total(metrics_text: str, name: str, labels: str = "") -> float:
