@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import requests
 import torch
 from tqdm import tqdm
@@ -78,21 +79,37 @@ class Prompts:
 
 # ---------------------------------------------------------------------------- requests
 
+def server_cpu_seconds(server: ServerProcess) -> float:
+    """User + system CPU seconds used so far by the server's processes (launcher, scheduler,
+    detokenizer). Unlike wall time this hardly moves when other jobs share the cores."""
+    root = psutil.Process(server.proc.pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def timed_generate(server: ServerProcess, ids: list[int], overrides: dict | None = None) -> dict:
     sampling = {"max_new_tokens": 1, "temperature": 0}
     if overrides:
         sampling["custom_params"] = {"tail_replay": overrides}
+    cpu0 = server_cpu_seconds(server)
     t0 = time.perf_counter()
     resp = requests.post(f"{server.url}/generate", json={"input_ids": ids, "sampling_params": sampling},
                          timeout=3600)
     ttft = time.perf_counter() - t0
+    cpu = server_cpu_seconds(server) - cpu0
     resp.raise_for_status()
     meta = resp.json()["meta_info"]
     details = meta.get("cached_tokens_details") or {}
     server_timing = {k: v for k, v in meta.items()
                      if isinstance(v, (int, float)) and not isinstance(v, bool)
                      and any(w in k for w in ("latency", "time", "duration", "delay"))}
-    return {"ttft_s": ttft, "prompt_tokens": meta.get("prompt_tokens"),
+    return {"ttft_s": ttft, "server_cpu_s": cpu, "prompt_tokens": meta.get("prompt_tokens"),
             "cached_tokens": meta.get("cached_tokens"), "tail_replay": details.get("tail_replay"),
             "server_timing": server_timing}
 
@@ -142,11 +159,14 @@ def summarize(records: list[dict], lengths: list[int], n: int) -> list[dict]:
     for L in lengths:
         base = [r["ttft_s"] for r in records if r["L"] == L and r["config"] == "full_prefill"]
         base_med = statistics.median(base) if base else float("nan")
+        base_cpu = [r["server_cpu_s"] for r in records if r["L"] == L and r["config"] == "full_prefill"]
+        base_cpu_med = statistics.median(base_cpu) if base_cpu else float("nan")
         for config in CONFIGS:
             rs = [r for r in records if r["L"] == L and r["config"] == config]
             if not rs:
                 continue
             med = statistics.median(r["ttft_s"] for r in rs)
+            cpu_med = statistics.median(r["server_cpu_s"] for r in rs)
             cached = statistics.median(r["cached_tokens"] or 0 for r in rs)
             if config.startswith("full_prefill"):
                 recomputed = L
@@ -161,7 +181,8 @@ def summarize(records: list[dict], lengths: list[int], n: int) -> list[dict]:
                 "median_ttft_s": med, "ttft_s": [r["ttft_s"] for r in rs],
                 "median_server_e2e_s": statistics.median(e2e) if e2e else None,
                 "cached_tokens": cached, "recomputed_matched_tokens": recomputed,
-                "speedup": base_med / med,
+                "median_server_cpu_s": cpu_med, "server_cpu_s": [r["server_cpu_s"] for r in rs],
+                "speedup": base_med / med, "cpu_speedup": base_cpu_med / cpu_med,
                 "ceiling": (L + n) / (recomputed + n),
                 "kinds": sorted({(r["tail_replay"] or {}).get("kind", "-") for r in rs}),
             })
@@ -170,13 +191,15 @@ def summarize(records: list[dict], lengths: list[int], n: int) -> list[dict]:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| matched L | configuration | cached (reused) | recomputed W | median TTFT s | median server "
-             "e2e s | speedup vs (a) | linear ceiling (L+n)/(W+n) | hit kind |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+             "e2e s | TTFT speedup vs (a) | server CPU s | CPU-time speedup | linear ceiling (L+n)/(W+n) "
+             "| hit kind |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         e2e = f"{r['median_server_e2e_s']:.3f}" if r["median_server_e2e_s"] is not None else "-"
         lines.append(f"| {r['L']:,} | {LABELS[r['config']]} | {r['cached_tokens']:,.0f} | "
                      f"{r['recomputed_matched_tokens']:,.0f} | {r['median_ttft_s']:.3f} | {e2e} | "
-                     f"{r['speedup']:.2f}x | {r['ceiling']:.2f}x | {', '.join(r['kinds'])} |")
+                     f"{r['speedup']:.2f}x | {r['median_server_cpu_s']:.2f} | {r['cpu_speedup']:.2f}x | "
+                     f"{r['ceiling']:.2f}x | {', '.join(r['kinds'])} |")
     return "\n".join(lines)
 
 
@@ -197,6 +220,7 @@ def run(args) -> int:
     prompts = Prompts(args.seed)
     records, problems = [], []
     started = time.time()
+    load_start = os.getloadavg()
     print(f"starting servers ({' '.join(common)}) ...", flush=True)
     start_servers([stock, tail])
     try:
@@ -244,10 +268,12 @@ def run(args) -> int:
         "server_args": common, "tail_replay_server_config": tr_config,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "torch_threads": torch.get_num_threads()},
+        "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
         "wall_s": time.time() - started, "problems": problems, "summary": rows, "records": records,
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "table.md").write_text(f"`{command}`\n\n{table}\n")
+    (out / "table.md").write_text(f"`{command}`\n\nload average at start {load_start}, at end "
+                                  f"{os.getloadavg()}\n\n{table}\n")
     print(table)
     for p in problems:
         print("PROBLEM:", p)

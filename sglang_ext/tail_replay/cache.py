@@ -75,13 +75,17 @@ class TailReplayMambaComponent(MambaComponent):
             params.req.kv.mamba_needs_clear = True   # replay starts from the zero state
         return result
 
-    def _stores_state(self, req) -> bool:
+    def _stores_state(self, req, token_ids_len: int) -> bool:
+        """Only exact states, and only where the tree can hold them: without the extra buffer
+        the state is the sequence-end state, and the key is cut to whole pages on insert."""
         plan = request_plan(req)
-        keep = request_config(self.config, req).keep_checkpoints
-        return keep and (plan is None or plan.state_is_exact)
+        exact = plan is None or plan.state_is_exact
+        lands_on_its_depth = self.cache.enable_mamba_extra_buffer or token_ids_len % self.cache.page_size == 0
+        return request_config(self.config, req).keep_checkpoints and exact and lands_on_its_depth
 
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-        if self._stores_state(req):
+        req.tail_replay_state_withheld = not self._stores_state(req, token_ids_len)
+        if not req.tail_replay_state_withheld:
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
         insert_params.mamba_value = None   # the attention KV is still inserted in full
         return token_ids_len
@@ -91,7 +95,8 @@ class TailReplayMambaComponent(MambaComponent):
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
 
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
-        withheld = insert_params is not None and insert_params.mamba_value is None and not self._stores_state(req)
+        withheld = getattr(req, "tail_replay_state_withheld", False)
+        req.tail_replay_state_withheld = False
         if withheld and is_finished:
             self.cache.req_to_token_pool.free_mamba_cache(req)   # the request's state dies with it
             return
@@ -126,7 +131,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
         ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
         plan = plan_replay(result.device_prefix_len, ckpt_len or None, self.page_size, config)
         req.tail_replay = plan
-        req.tail_replay_kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
+        req.tail_replay_kv_slots = self._tail_kv_slots(plan, config, result.last_device_node, req.extra_key)
         if plan.kind is HitKind.EXACT_CHECKPOINT:
             return result._replace(device_prefix_len=plan.prefix_len, last_device_node=ckpt_id,
                                    last_host_node=ckpt_id, best_match_node=ckpt_id)
@@ -136,10 +141,10 @@ class TailReplayRadixCache(UnifiedRadixCache):
                                    last_host_node=root, best_match_node=root)
         return result._replace(device_prefix_len=plan.prefix_len)
 
-    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id):
+    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id, extra_key):
         if config.kv_mode != "exact" or not plan.reuses_tail_kv:
             return None
-        path = self.tree_core.collect_full_device_indices(last_node_id, self.tree_core.root_node.id)
+        path = self.tree_core.collect_full_device_indices(last_node_id, self.root_node_handle(extra_key))
         return path[plan.prefix_len:plan.matched_tokens].clone()
 
 

@@ -75,7 +75,8 @@ def _state_bytes(name: str, config, tp: int) -> StateBytes:
     from sglang.srt.runtime_context import get_parallel
 
     # Outside a server nothing publishes the parallel layout: state it (attention TP width).
-    with get_parallel().override(attn_tp_size=tp, tp_size=tp, enable_cp_tp_group_sharing=False):
+    with get_parallel().override(attn_tp_size=tp, tp_size=tp, moe_tp_size=tp, moe_ep_size=1, moe_dp_size=1,
+                                 enable_cp_tp_group_sharing=False):
         params = config.mamba2_cache_params
         per_slot = params.mamba_cache_per_req
     conv = params.shape.conv

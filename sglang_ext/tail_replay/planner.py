@@ -4,10 +4,10 @@ Inputs: L (tokens whose attention KV is cached), C (depth of the deepest exact r
 checkpoint on the matched path, if any), the page size, and the config. Output: a ReplayPlan.
 
 - EXACT_CHECKPOINT: L - C <= W: start from the checkpoint's state at C, recompute [C, L) exactly.
-- EXACT_REPLAY:     W >= L: replay all of [0, L) from the zero state, which is exact at position 0.
+- EXACT_REPLAY:     W >= L (in whole pages): replay all of [0, L) from the zero state, exact at 0.
 - APPROXIMATE:      replay the last W tokens [L - W, L) from a zero state; older tokens are dropped
                     from the linear layers' state (their gates have mostly forgotten them).
-- MISS:             L < min_match_tokens and no checkpoint: compute everything.
+- MISS:             L < min_match_tokens (or L = 0) and no checkpoint: compute everything.
 """
 
 from __future__ import annotations
@@ -59,12 +59,11 @@ def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
     window = replay_window(matched_len, config)
     if checkpoint_len is not None and matched_len - checkpoint_len <= window:
         return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
-    if matched_len == 0 or window >= matched_len:
-        kind = HitKind.EXACT_REPLAY if matched_len else HitKind.MISS
-        return ReplayPlan(kind, matched_len, 0, 0)
-    if matched_len < config.min_match_tokens:
+    if matched_len == 0 or matched_len < config.min_match_tokens:
         if checkpoint_len:
             return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
         return ReplayPlan(HitKind.MISS, matched_len, 0, 0)
-    start = (matched_len - window) // page_size * page_size
+    start = max(matched_len - window, 0) // page_size * page_size
+    if start == 0:   # the window, cut to whole pages, reaches the first token: exact
+        return ReplayPlan(HitKind.EXACT_REPLAY, matched_len, 0, 0)
     return ReplayPlan(HitKind.APPROXIMATE, matched_len, start, start)

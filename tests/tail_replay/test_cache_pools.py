@@ -9,6 +9,8 @@ does the recurrent-state allocator, so the tests assert exact slot ids.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -46,7 +48,10 @@ class Harness:
     def __init__(self, page_size: int, config: TailReplayConfig = CONFIG, *, kv_size: int = 512,
                  mamba_size: int = 12, max_reqs: int = 8):
         cfg = CacheConfig(page_size=page_size, components=(FULL, MAMBA), kv_size=kv_size,
-                          mamba_cache_size=mamba_size, max_num_reqs=max_reqs, max_context_len=256)
+                          mamba_cache_size=mamba_size, max_num_reqs=max_reqs, max_context_len=256,
+                          num_layers=2, full_attention_layer_ids=(1,), head_num=1, head_dim=8,
+                          mamba_intermediate_size=32, mamba_num_heads=2, mamba_head_dim=16,
+                          mamba_state_size=4)
         cache_class = type("TailReplayRadixCache", (TailReplayRadixCache,), {"tail_replay_config": config})
         # build_fixture constructs `UnifiedRadixCache`; the factory's class is a drop-in subclass.
         with mock.patch.object(kit, "UnifiedRadixCache", cache_class):
@@ -289,7 +294,7 @@ def test_checkpoint_within_the_window_gives_exact_checkpoint(page):
 
 @pytest.mark.parametrize("page", PAGE_SIZES)
 def test_window_covering_the_match_replays_everything_from_zero(page):
-    h = Harness(page)
+    h = Harness(page, dataclasses.replace(CONFIG, min_match_tokens=0))
     h.run(A)
     req = h.admit(A[:4] + seq(8000, 10))  # L = 4 = W
     assert req.tail_replay == ReplayPlan(HitKind.EXACT_REPLAY, 4, 0, 0)
@@ -355,7 +360,7 @@ def test_without_checkpoints_the_tree_never_holds_a_state(page):
 
     # running requests hold exactly one slot each, the tree none
     reqs = [h.admit(A[:30] + seq(5000, 10)), h.admit(A + seq(6000, 5)), h.admit(A[:4] + seq(7000, 9))]
-    assert [r.tail_replay.kind for r in reqs] == [HitKind.APPROXIMATE, HitKind.APPROXIMATE, HitKind.EXACT_REPLAY]
+    assert [r.tail_replay.kind for r in reqs] == [HitKind.APPROXIMATE, HitKind.APPROXIMATE, HitKind.MISS]
     assert h.pool.mamba_allocator.available_size() == baseline - 3
     h.chunk_checkpoint(reqs[1])
     assert h.state_nodes() == {} and h.pool.mamba_allocator.available_size() == baseline - 3

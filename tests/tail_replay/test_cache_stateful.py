@@ -1,12 +1,17 @@
 """Hypothesis state machine over TailReplayRadixCache on small real SGLang pools (the kit's
-Full + Mamba fixture): random admit (match + lock + allocate) / decode / chunk checkpoint /
-finish / abort / match-only / match-then-drop / lock (inc_lock_ref) / unlock / evict steps.
+Full + Mamba fixture), driven like the scheduler drives it: random admit (match with the state
+copy-on-write, lock, row + KV allocation, evicting when short) / decode / chunk checkpoint /
+finish / abort / whole requests and follow-up turns / match-only / match-then-drop /
+lock (inc_lock_ref) / unlock (dec_lock_ref) / evict steps, with per-request config overrides.
 
 After every step: no leaked KV slot or state slot (free + tree-held + request-held covers every
-slot exactly once), the tree's evictable + protected sizes add up to what it holds (and SGLang's
-own `sanity_check` passes), and after an eviction every locked node is still there with its
-values. States of approximate requests never enter the tree, a stored state sits at the depth
-it was computed at, and with keep_checkpoints=False the tree never holds a state.
+slot exactly once), the tree's evictable + protected sizes add up to what it holds and the
+protected size is what the locks cover (SGLang's own `sanity_check` passes too), and every
+locked path still holds the same KV slots, whoever evicted. At every insert: states of
+approximate requests never enter the tree, a stored state sits at the depth it was computed at,
+and with keep_checkpoints=False the tree never holds a state.
+
+`--hypothesis-show-statistics` prints how often each plan kind and eviction occurred.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from array import array  # noqa: E402
 from unittest import mock  # noqa: E402
 
 import torch  # noqa: E402
-from hypothesis import HealthCheck, Phase, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, event, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import (  # noqa: E402
     RuleBasedStateMachine,
@@ -69,8 +74,11 @@ overrides = st.sampled_from([None, None, {"keep_checkpoints": False}, {"budget":
 
 
 def build_cache(page_size: int, config: TailReplayConfig):
+    # few, small layers: the pools are built once per example
     cfg = CacheConfig(page_size=page_size, components=(FULL, MAMBA), kv_size=KV_SIZE,
-                      mamba_cache_size=MAMBA_SIZE, max_num_reqs=MAX_RUNNING + 2, max_context_len=128)
+                      mamba_cache_size=MAMBA_SIZE, max_num_reqs=MAX_RUNNING + 2, max_context_len=128,
+                      num_layers=2, full_attention_layer_ids=(1,), head_num=1, head_dim=8,
+                      mamba_intermediate_size=32, mamba_num_heads=2, mamba_head_dim=16, mamba_state_size=4)
     cache_class = type("TailReplayRadixCache", (TailReplayRadixCache,), {"tail_replay_config": config})
     with mock.patch.object(kit, "UnifiedRadixCache", cache_class):
         return kit.build_fixture(cfg, component_registry_override={MAMBA: TailReplayMambaComponent})
@@ -80,15 +88,18 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     page_size = 1
     config = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=32, min_match_tokens=8)
 
-    @initialize()
-    def setup(self):
+    @initialize(seeds=st.lists(prompts, min_size=1, max_size=3))
+    def setup(self, seeds):
         self.cache, self.alloc, self.pool = build_cache(self.page_size, self.config)
         self.kv_total = self.alloc.available_size()
         self.mamba_total = self.pool.mamba_allocator.available_size()
         assert (self.kv_total, self.mamba_total) == (KV_SIZE, MAMBA_SIZE)
         self.running: list[Req] = []
-        self.extra_locks: list[tuple[int, object]] = []
+        self.extra_locks: list[tuple[int, object, list[int]]] = []
         self.rid = 0
+        self.history: list[list[int]] = []  # token ids of finished requests, for follow-ups
+        for tokens in seeds:  # start from a populated tree
+            self.serve(tokens, None, [])
 
     # ---------------------------------------------------------------- helpers
 
@@ -107,8 +118,8 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             self.cache.evict(EvictParams(num_tokens=short))
         return self.alloc.available_size() >= need
 
-    def node(self, node_id):
-        return self.cache.tree_core.node_by_id(node_id)
+    def path(self, node_id) -> list[int]:
+        return self.cache.path_device_indices(node_id).tolist()
 
     def nodes(self):
         out, stack = [], [(self.cache.tree_core.root_node, 0)]
@@ -132,6 +143,8 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids)) if finish else FINISH_ABORT()
         release_kv_cache(req, self.cache, checkpoint=finish)
         self.running.remove(req)
+        if finish and len(self.history) < 8:
+            self.history.append(list(req.origin_input_ids) + list(req.output_ids))
         assert not req.kv.holds_kv
         depth = self.state_depths().get(slot)
         if not exact or not finish:
@@ -144,9 +157,32 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.running) < MAX_RUNNING)
     @rule(tokens=prompts, override=overrides)
     def admit(self, tokens, override):
+        self.do_admit(tokens, override)
+
+    @precondition(lambda self: len(self.running) < MAX_RUNNING)
+    @rule(tokens=prompts, override=overrides, output=st.lists(st.integers(1, 6), max_size=4))
+    def serve(self, tokens, override, output):
+        """A whole request in one step: admit, decode, finish."""
+        req = self.do_admit(tokens, override)
+        if req is not None:
+            for token in output:
+                self.decode_one(req, token)
+            self.release(req, finish=True)
+
+    @precondition(lambda self: len(self.running) < MAX_RUNNING and self.history)
+    @rule(data=st.data(), tail=st.lists(st.integers(1, 6), min_size=1, max_size=8), override=overrides,
+          output=st.lists(st.integers(1, 6), max_size=3))
+    def follow_up(self, data, tail, override, output):
+        """The next turn of a conversation: a finished request's tokens plus new ones."""
+        previous = data.draw(st.sampled_from(self.history))
+        if len(previous) + len(tail) < 120:
+            self.serve(previous + tail, override, output)
+
+    def do_admit(self, tokens, override):
         req = self.new_req(tokens, override)
         req.init_next_round_input(self.cache)
         plan = req.tail_replay
+        event(f"plan: {plan.kind.value}")  # shown by --hypothesis-show-statistics
         assert req.prefix_len == plan.prefix_len <= plan.matched_tokens < len(tokens)
         assert plan.matched_tokens % self.page_size == 0
         req.lock = self.cache.lock(req.last_node)
@@ -163,26 +199,32 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             req.lock = None
             release_kv_cache(req, self.cache, checkpoint=False)
             assert not req.kv.holds_mamba
-            return
+            return None
         assert self.pool.alloc([req]) is not None
         prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
                   else torch.empty(0, dtype=torch.int64))
-        if plan.kind is HitKind.APPROXIMATE and request_config(self.config, req).kv_mode == "exact":
-            # the tail's slots are the tree's slots right after the request's prefix
+        if plan.reuses_tail_kv and request_config(self.config, req).kv_mode == "exact":
+            # the replayed tail's slots are the tree's slots right after the request's prefix
             path = self.cache.path_device_indices(req.last_node)
             assert torch.equal(req.tail_replay_kv_slots, path[plan.prefix_len:plan.matched_tokens])
             assert len(req.tail_replay_kv_slots) == plan.replayed_tokens
+        else:
+            assert req.tail_replay_kv_slots is None
         new = self.alloc.alloc(need)
         row = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
         self.pool.write((req.kv.req_pool_idx, slice(0, len(tokens))), row.to(torch.int32))
         req.kv.kv_committed_len = req.kv.kv_allocated_len = len(tokens)
         req.extend_end = len(tokens)
+        req.pinned_path = self.path(req.last_node)  # what its lock must keep alive
         self.running.append(req)
+        return req
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), token=st.integers(1, 6))
     def decode(self, data, token):
-        req = data.draw(st.sampled_from(self.running))
+        self.decode_one(data.draw(st.sampled_from(self.running)), token)
+
+    def decode_one(self, req, token):
         if len(req.origin_input_ids) + len(req.output_ids) >= 120 or not self.ensure_kv(1):
             return
         slot = self.alloc.alloc(1)
@@ -199,11 +241,15 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         before = set(self.state_depths())
         exact = self.keeps_state(req)
         checkpoint_kv_cache(req, self.cache)
+        req.pinned_path = self.path(req.last_node)  # the lock moved to the inserted node
         added = set(self.state_depths()) - before
         if not exact:
             assert not added, f"a {req.tail_replay.kind} request published a state"
         for slot in added:
-            assert self.state_depths()[slot] == req.extend_end
+            depth = self.state_depths()[slot]
+            assert depth == req.extend_end, \
+                f"a state computed over {req.extend_end} tokens is stored at depth {depth}"
+
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -235,13 +281,14 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         result = self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens))))
         node = result.last_device_node
         if node != self.cache.root_node_handle():
-            self.extra_locks.append((node, self.cache.inc_lock_ref(node).to_dec_params()))
+            receipt = self.cache.inc_lock_ref(node).to_dec_params()
+            self.extra_locks.append((node, receipt, self.path(node)))
 
     @precondition(lambda self: self.extra_locks)
     @rule(data=st.data())
     def unlock(self, data):
         i = data.draw(st.integers(0, len(self.extra_locks) - 1))
-        node, receipt = self.extra_locks.pop(i)
+        node, receipt, _ = self.extra_locks.pop(i)
         self.cache.dec_lock_ref(node, receipt)
 
     @rule(num_tokens=st.integers(0, 64), mamba_num=st.integers(0, 4))
@@ -256,6 +303,8 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         tree_states = len(self.cache.all_mamba_values_flatten())
         evictable, states_evictable = self.cache.full_evictable_size(), self.cache.mamba_evictable_size()
         result = self.cache.evict(EvictParams(num_tokens=num_tokens, mamba_num=mamba_num))
+        if result.num_tokens_evicted or result.mamba_num_evicted:
+            event("evict: evicted something")
         assert len(self.cache.all_values_flatten()) == tree_kv - result.num_tokens_evicted
         assert len(self.cache.all_mamba_values_flatten()) == tree_states - result.mamba_num_evicted
         alive = {n.id: n for n, _ in self.nodes()}
@@ -307,8 +356,16 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             assert c.full_protected_size() == 0 and c.mamba_protected_size() == 0
         if not self.config.keep_checkpoints:
             assert tree_state == []
-        for req in self.running:  # a running request's locked path is intact
-            assert len(c.path_device_indices(req.last_node)) >= req.kv.cache_protected_len
+        # locked nodes are never evicted, whoever evicted (an explicit evict, or the allocation
+        # paths that evict on their own): every locked path still holds the same KV slots
+        pinned = [(r.last_node, r.pinned_path) for r in self.running]
+        pinned += [(node, path) for node, _, path in self.extra_locks]
+        alive = {n.id for n, _ in self.nodes()} | {c.root_node_handle()}
+        for node, path in pinned:
+            assert node in alive, f"locked node {node} was evicted"
+            assert self.path(node) == path, f"the locked path to node {node} changed"
+        for req in self.running:
+            assert len(req.pinned_path) >= req.kv.cache_protected_len
         c.sanity_check()
 
 

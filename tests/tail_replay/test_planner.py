@@ -3,6 +3,8 @@ cases, window clamping, config errors that name the key, and a hypothesis proper
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -101,9 +103,15 @@ def test_approximate_prefix_is_page_floor_of_l_minus_w(matched, page, expected_p
 
 
 @pytest.mark.parametrize("matched", [1, 10, 16])
+def test_short_accidental_match_is_a_miss(matched):
+    # L < min_match_tokens (32), no checkpoint: nothing is reused, and it is counted as a miss
+    assert plan_replay(matched, None, 1, CFG) == ReplayPlan(HitKind.MISS, matched, 0, 0)
+
+
+@pytest.mark.parametrize("matched", [1, 10, 16])
 def test_window_covering_match_is_exact_replay_from_zero(matched):
     # W = 16 >= L: the whole match is replayed from the zero state (exact at position 0)
-    plan = plan_replay(matched, None, 1, CFG)
+    plan = plan_replay(matched, None, 1, dataclasses.replace(CFG, min_match_tokens=0))
     assert plan == ReplayPlan(HitKind.EXACT_REPLAY, matched, 0, 0)
     assert plan.replayed_tokens == matched
     assert plan.state_is_exact and plan.reuses_tail_kv
@@ -321,7 +329,8 @@ configs = st.builds(
 @st.composite
 def plan_inputs(draw):
     matched = draw(st.integers(0, 20000))
-    checkpoint = draw(st.none() | st.integers(1, max(matched, 1)).filter(lambda c: c <= matched))
+    # the cache passes the depth of the deepest state on the path, never 0 (no state: None)
+    checkpoint = draw(st.none() | st.integers(1, matched)) if matched else None
     page = draw(st.sampled_from([1, 2, 4, 16, 64, 128]))
     return matched, checkpoint, page, draw(configs)
 
@@ -343,7 +352,7 @@ def test_plan_properties(args):
         assert plan.replayed_tokens == matched - plan.prefix_len
     if plan.kind is HitKind.APPROXIMATE:
         assert plan.prefix_len % page == 0
-        assert plan.prefix_len == (matched - window) // page * page
+        assert plan.prefix_len == (matched - window) // page * page > 0
         assert window <= plan.replayed_tokens < window + page
         assert matched >= cfg.min_match_tokens and window < matched
         assert not plan.state_is_exact
@@ -351,8 +360,8 @@ def test_plan_properties(args):
         assert plan.state_is_exact
     if plan.kind is HitKind.EXACT_CHECKPOINT:
         assert plan.prefix_len == checkpoint
-    if plan.kind is HitKind.EXACT_REPLAY:
-        assert plan.prefix_len == 0 and 0 < matched <= window
+    if plan.kind is HitKind.EXACT_REPLAY:   # the window, cut to whole pages, reaches token 0
+        assert plan.prefix_len == 0 and 0 < matched < window + page
     # a checkpoint within the window always wins
     if checkpoint is not None and matched - checkpoint <= window:
         assert plan.kind is HitKind.EXACT_CHECKPOINT

@@ -23,11 +23,12 @@ def test_fit_never_returns_negative_terms():
     assert min(fit.a, fit.b, fit.c) >= 0
 
 
-def test_round_trip_and_committed_default_is_labelled(tmp_path):
+def test_round_trip_and_committed_model_says_where_it_comes_from(tmp_path):
     model = PrefillCostModel(a=1.0, b=2.0, c=3.0, source="measured")
     save_cost_model(model, tmp_path / "m.json", {"points": []})
     assert load_cost_model(tmp_path / "m.json") == model
-    assert json.loads(DEFAULT_COST_MODEL.read_text())["source"] == "uncalibrated default"
+    committed = json.loads(DEFAULT_COST_MODEL.read_text())
+    assert committed["source"].startswith("measured") and len(committed["points"]) >= 3
 
 
 def test_segment_cost_adds_up_to_ttft():
