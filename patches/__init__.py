@@ -41,11 +41,11 @@ _applied: list[str] = []
 
 def apply_patches(mode: str) -> list[str]:
     """Apply the patch set for `mode` once per process; return the modules applied."""
-    if _applied:
-        return list(_applied)
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"patch mode must be 'cpu' or 'gpu', got {mode!r}")
-    check_sglang_version()
+    check_sglang_version()   # every call: a launcher must refuse a wrong SGLang even if patched
+    if _applied:
+        return list(_applied)
     names = (CPU_PATCHES if mode == "cpu" else ()) + EXT_PATCHES
     for name in names:
         importlib.import_module(f"patches.{name}").apply()
