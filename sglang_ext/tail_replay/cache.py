@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig, with_overrides
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 
@@ -131,7 +133,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
         ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
         plan = plan_replay(result.device_prefix_len, ckpt_len or None, self.page_size, config)
         req.tail_replay = plan
-        req.tail_replay_kv_slots = self._tail_kv_slots(plan, config, result.last_device_node, req.extra_key)
+        req.tail_replay_kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
         if plan.kind is HitKind.EXACT_CHECKPOINT:
             return result._replace(device_prefix_len=plan.prefix_len, last_device_node=ckpt_id,
                                    last_host_node=ckpt_id, best_match_node=ckpt_id)
@@ -141,11 +143,16 @@ class TailReplayRadixCache(UnifiedRadixCache):
                                    last_host_node=root, best_match_node=root)
         return result._replace(device_prefix_len=plan.prefix_len)
 
-    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id, extra_key):
+    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id):
+        """The tree's KV slots of [prefix_len, L), read off the matched path bottom-up (O(W))."""
         if config.kv_mode != "exact" or not plan.reuses_tail_kv:
             return None
-        path = self.tree_core.collect_full_device_indices(last_node_id, self.root_node_handle(extra_key))
-        return path[plan.prefix_len:plan.matched_tokens].clone()
+        node, depth, chunks = self.tree_core.node_by_id(last_node_id), plan.matched_tokens, []
+        while depth > plan.prefix_len:
+            chunks.append(node.component_data[ComponentType.FULL].value)
+            depth -= len(node.key)
+            node = node.parent
+        return torch.cat(chunks[::-1])[plan.prefix_len - depth:].clone()
 
 
 def tail_replay_cache_factory(ctx):
