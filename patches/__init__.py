@@ -34,7 +34,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_nemotron_h_router",
 )
 #: Applied in both modes (the extension's own seams).
-EXT_PATCHES: tuple[str, ...] = ("tail_replay_kv", "tail_replay_sizing")
+EXT_PATCHES: tuple[str, ...] = ("tail_replay_kv", "tail_replay_sizing", "tail_replay_pages")
 
 _applied: list[str] = []
 

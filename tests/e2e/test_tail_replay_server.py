@@ -31,6 +31,7 @@ OVERRIDES = {
 #: the Nemotron-H server runs without checkpoints: one state slot per running request
 PURE_CONFIG = {**SERVER_CONFIG, "keep_checkpoints": False}
 PURE_SLOTS = 4
+PAGE = 16   # the paged server's --page-size
 
 
 def _server_args(config: dict) -> list[str]:
@@ -46,7 +47,11 @@ def servers(tiny_model_factory, tmp_path_factory):
     procs = {"qwen3-next": ServerProcess(str(tiny_model_factory("qwen3-next")), _server_args(SERVER_CONFIG),
                                          log_path=logs / "qwen3-next.log"),
              "nemotron-h": ServerProcess(str(tiny_model_factory("nemotron-h")), pure_args,
-                                         log_path=logs / "nemotron-h.log")}
+                                         log_path=logs / "nemotron-h.log"),
+             "qwen3-next-paged": ServerProcess(
+                 str(tiny_model_factory("qwen3-next")),
+                 [*_server_args(SERVER_CONFIG), "--page-size", str(PAGE), "--mamba-radix-cache-strategy", "no_buffer"],
+                 log_path=logs / "qwen3-next-paged.log")}
     start_servers(list(procs.values()))
     try:
         yield procs
@@ -88,6 +93,19 @@ def test_shared_prefix_with_a_different_suffix_is_reused(servers, arch):
     assert result["meta_info"]["cached_tokens"] >= L - window
     assert _details(result) == {"kind": "approximate", "matched_tokens": L,
                                 "reused_tokens": L - window, "replayed_tokens": window}
+
+
+def test_paged_tree_replays_from_a_page_boundary(servers, hf_qwen):
+    server = servers["qwen3-next-paged"]
+    document = random_prompt(L, seed=50)
+    result = _warm_then_ask(server, document, random_prompt(SUFFIX, seed=51))
+    start = (L - L // 16) // PAGE * PAGE            # W = 20, cut to whole pages
+    assert _details(result) == {"kind": "approximate", "matched_tokens": L,
+                                "reused_tokens": start, "replayed_tokens": L - start}
+    question = random_prompt(SUFFIX, seed=52)
+    exact = ask(server, document + question, OVERRIDES["wL"])
+    assert _details(exact)["kind"] == "exact_replay"
+    assert_matches_reference(exact, greedy_reference(hf_qwen, document + question, 6))
 
 
 def test_full_window_equals_full_prefill(servers, hf_qwen):
