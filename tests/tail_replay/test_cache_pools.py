@@ -31,6 +31,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
+from tests.tail_replay.tree_walk import tree_nodes  # noqa: E402
 from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache  # noqa: E402
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
@@ -113,14 +114,7 @@ class Harness:
     # ---- tree inspection
 
     def nodes(self):
-        """(node, depth in tokens) for every node but the root."""
-        out, stack = [], [(self.cache.tree_core.root_node, 0)]
-        while stack:
-            node, depth = stack.pop()
-            for child in node.children.values():
-                out.append((child, depth + len(child.key)))
-                stack.append(out[-1])
-        return out
+        return tree_nodes(self.cache)
 
     def state_nodes(self) -> dict[int, int]:
         """{depth: state slot} for every node holding a recurrent state."""

@@ -46,6 +46,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
+from tests.tail_replay.tree_walk import tree_nodes  # noqa: E402
 from sglang_ext.tail_replay.cache import (  # noqa: E402
     TailReplayMambaComponent,
     TailReplayRadixCache,
@@ -122,13 +123,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         return self.cache.path_device_indices(node_id).tolist()
 
     def nodes(self):
-        out, stack = [], [(self.cache.tree_core.root_node, 0)]
-        while stack:
-            node, depth = stack.pop()
-            for child in node.children.values():
-                out.append((child, depth + len(child.key)))
-                stack.append(out[-1])
-        return out
+        return tree_nodes(self.cache)
 
     def state_depths(self) -> dict[int, int]:
         """{state slot: depth} over the tree's nodes holding a state."""
