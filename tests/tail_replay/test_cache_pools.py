@@ -31,7 +31,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
-from tests.tail_replay.tree_walk import tree_nodes  # noqa: E402
+from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache  # noqa: E402
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
@@ -133,27 +133,8 @@ class Harness:
     def assert_no_leak(self) -> None:
         """Every KV slot and state slot is free, held by the tree or held by a running request
         (exactly one of these), and the tree's evictable + protected sizes add up."""
-        free_kv = self.alloc.get_all_free_pages().tolist()  # page-1 allocator: pages are slots
-        tree_kv = self.tree_kv()
-        req_kv: list[int] = []
-        for req in self.running:
-            row = self.pool.req_to_token[req.kv.req_pool_idx]
-            req_kv += row[req.kv.cache_protected_len:req.kv.kv_allocated_len].tolist()
-        held = free_kv + tree_kv + req_kv
-        assert len(held) == len(set(held)), "a KV slot is held twice"
-        assert sorted(held) == list(range(1, self.kv_total + 1)), "leaked KV slots"
-
-        free_state = self.pool.mamba_allocator.free_slots.tolist()
-        tree_state = self.cache.all_mamba_values_flatten().tolist()
-        req_state = [int(r.kv.mamba_pool_idx) for r in self.running if r.kv.holds_mamba]
-        held = free_state + tree_state + req_state
-        assert len(held) == len(set(held)), "a state slot is held twice"
-        assert sorted(held) == list(range(1, self.mamba_total + 1)), "leaked state slots"
-
-        c = self.cache
-        assert c.full_evictable_size() + c.full_protected_size() == len(tree_kv)
-        assert c.mamba_evictable_size() + c.mamba_protected_size() == len(tree_state)
-        c.sanity_check()
+        assert_slots_accounted(self.cache, self.pool, self.alloc, self.running, self.kv_total, self.mamba_total)
+        self.cache.sanity_check()
 
 
 def seq(start: int, n: int) -> list[int]:

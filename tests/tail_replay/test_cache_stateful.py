@@ -46,7 +46,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
-from tests.tail_replay.tree_walk import tree_nodes  # noqa: E402
+from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 from sglang_ext.tail_replay.cache import (  # noqa: E402
     TailReplayMambaComponent,
     TailReplayRadixCache,
@@ -322,26 +322,10 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     def no_leak_and_sizes_add_up(self):
         if not hasattr(self, "cache"):
             return
-        free_kv = self.alloc.get_all_free_pages().tolist()
-        tree_kv = self.cache.all_values_flatten().tolist()
-        req_kv = []
-        for req in self.running:
-            row = self.pool.req_to_token[req.kv.req_pool_idx]
-            req_kv += row[req.kv.cache_protected_len:req.kv.kv_allocated_len].tolist()
-        held = free_kv + tree_kv + req_kv
-        assert len(held) == len(set(held)), "a KV slot is held twice"
-        assert sorted(held) == list(range(1, self.kv_total + 1)), "leaked KV slots"
-
-        free_state = self.pool.mamba_allocator.free_slots.tolist()
-        tree_state = self.cache.all_mamba_values_flatten().tolist()
-        req_state = [int(r.kv.mamba_pool_idx) for r in self.running]
-        held = free_state + tree_state + req_state
-        assert len(held) == len(set(held)), "a state slot is held twice"
-        assert sorted(held) == list(range(1, self.mamba_total + 1)), "leaked state slots"
-
+        tree_kv, tree_state = assert_slots_accounted(self.cache, self.pool, self.alloc, self.running,
+                                                     self.kv_total, self.mamba_total)
+        assert all(r.kv.holds_mamba for r in self.running), "a running request lost its state slot"
         c = self.cache
-        assert c.full_evictable_size() + c.full_protected_size() == len(tree_kv)
-        assert c.mamba_evictable_size() + c.mamba_protected_size() == len(tree_state)
         assert c.evictable_size() + c.protected_size() == len(tree_kv)
         # what the locks cover is protected, the rest evictable
         protected = sum(len(n.component_data[FULL].value) for n, _ in self.nodes()
