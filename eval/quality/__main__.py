@@ -1,0 +1,3 @@
+from eval.quality.cli import main
+
+raise SystemExit(main())

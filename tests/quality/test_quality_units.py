@@ -1,0 +1,124 @@
+"""Quality harness pieces without a server: configs, reuse checks, resume, report arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eval.quality import cli, configs, report, runner
+from eval.quality.longbench import shared_chars
+from eval.quality.samples import EvalSample, cut_before_last
+
+SAMPLE = EvalSample("ruler", "niah_single_2", "4096-0", "DOC\nWhat is it?", 3, ("7",), 8, 4000, group="4K")
+
+
+def test_full_prefill_is_always_the_reference():
+    names = [c.name for c in configs.parse_configs("tr-5,stock")]
+    assert names == ["full", "tr-5", "stock"]
+
+
+def test_unknown_config_is_named():
+    with pytest.raises(ValueError, match="tr-7"):
+        configs.parse_configs("full,tr-7")
+
+
+def test_tail_replay_configs_carry_budget_and_kv_mode():
+    c = configs.CONFIGS["tr-2.5-recompute"]
+    assert c.overrides == {"budget": 0.025, "kv_mode": "recompute", "min_replay_tokens": 0}
+    assert c.must_hit and c.warm
+
+
+@pytest.mark.parametrize("meta, config, fails", [
+    ({"cached_tokens": 0}, "tr-5", True),                                     # reuse disabled
+    ({"cached_tokens": 100}, "tr-5", True),                                   # not a Tail-Replay server
+    ({"cached_tokens": 100, "cached_tokens_details": {"tail_replay": {"kind": "approximate", "matched_tokens": 105,
+                                                                       "replayed_tokens": 5}}}, "tr-5", False),
+    ({"cached_tokens": 3}, "full", True),
+    ({"cached_tokens": 0}, "full", False),
+    ({"cached_tokens": 0}, "stock", False),                                   # stock may reuse nothing
+])
+def test_reuse_check(meta, config, fails):
+    reuse = runner.reuse_of(meta)
+    if fails:
+        with pytest.raises(runner.ReuseCheckFailed, match=config):
+            runner.check_reuse(configs.CONFIGS[config], SAMPLE, reuse)
+    else:
+        runner.check_reuse(configs.CONFIGS[config], SAMPLE, reuse)
+
+
+def test_truncated_last_line_is_dropped_and_a_bad_middle_line_is_an_error(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    path.write_text('{"key": "a", "config": "full"}\n{"key": "b", "conf')
+    assert runner.read_rows(path) == [{"key": "a", "config": "full"}]
+    assert path.read_text() == '{"key": "a", "config": "full"}\n'
+    path.write_text('{"key": "a"}\nnot json\n{"key": "c"}\n')
+    with pytest.raises(ValueError, match=r"samples.jsonl:2"):
+        runner.read_rows(path)
+
+
+def _row(config, dataset, score, key, cached=100, replayed=10, group="4K"):
+    return {"config": config, "dataset": dataset, "score": score, "key": key, "group": group,
+            "cached_tokens": 0 if config == "full" else cached, "replayed_tokens": replayed}
+
+
+def test_retention_is_the_ratio_of_dataset_means():
+    rows = [_row("full", "a", 100, "1"), _row("full", "a", 50, "2"), _row("full", "b", 40, "3"),
+            _row("tr-5", "a", 75, "1"), _row("tr-5", "a", 25, "2"), _row("tr-5", "b", 40, "3"),
+            _row("stock", "a", 100, "1", cached=0), _row("stock", "a", 50, "2", cached=0), _row("stock", "b", 40, "3", cached=0)]
+    table = report.summarize(rows)["4K"]
+    # full: mean(a)=75, mean(b)=40 -> 57.5; tr-5: mean(a)=50, b=40 -> 45; 45/57.5 = 78.3%
+    assert table["full"]["mean"] == 57.5 and table["tr-5"]["mean"] == 45.0
+    assert table["tr-5"]["retention"] == 78.3
+    assert table["stock"]["retention"] == "n/a: no reuse"
+    assert table["tr-5"]["reused"] == 100.0
+
+
+def test_question_cut_points():
+    assert cut_before_last("intro\nWhat a doc\nWhat is x?", "\nWhat ") == len("intro\nWhat a doc")
+    with pytest.raises(ValueError, match="not found"):
+        cut_before_last("no question here", "\nWhat ")
+    assert shared_chars("Q: read\nCTX\nQuestion: q", "CTX") == len("Q: read\nCTX")
+    assert SAMPLE.warm_prompt().startswith("DOC") and "What is it?" not in SAMPLE.warm_prompt()
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert cli.main(["run", "--benchmark", "ruler", "--out", str(tmp_path), "--tasks", "niah_triple",
+                     "--tokenizer", "x", "--stock-url", "http://127.0.0.1:9", "--tail-replay-url", "http://127.0.0.1:9"]) == 2
+    assert "niah_triple" in capsys.readouterr().err
+    assert cli.main(["run", "--benchmark", "longbench", "--out", str(tmp_path), "--datasets", "nosuchset",
+                     "--source", str(tmp_path)]) == 2
+    assert "nosuchset" in capsys.readouterr().err
+    (tmp_path / "hotpotqa.jsonl").write_text('{"input": "q"}\n')
+    assert cli.main(["run", "--benchmark", "longbench", "--out", str(tmp_path), "--source", str(tmp_path),
+                     "--stock-url", "http://127.0.0.1:9", "--tail-replay-url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "hotpotqa.jsonl" in err and "line 1" in err
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
+    from sglang_ext.testing import free_port
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "hotpotqa.jsonl").write_text(json.dumps(
+        {"input": "q", "context": "c", "answers": ["a"], "length": 1}) + "\n")
+    url = f"http://127.0.0.1:{free_port()}"
+    code = cli.main(["run", "--benchmark", "longbench", "--out", str(tmp_path / "o"), "--source", str(tmp_path / "data"),
+                     "--stock-url", url, "--tail-replay-url", url])
+    assert code == 2
+    assert f"cannot reach the server at {url}" in capsys.readouterr().err
+
+
+def test_middle_truncation_keeps_head_and_question(tiny_model_factory):
+    from transformers import AutoTokenizer
+
+    from eval.quality.longbench import truncate_middle
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_factory("qwen3-next"))
+    doc = "Intro line. " + " ".join(f"word{i}" for i in range(400))
+    sample = EvalSample("longbench", "hotpotqa", "0", doc + "\nQuestion: who?\nAnswer:", len(doc), ("x",), 8, 400)
+    short = truncate_middle(sample, tokenizer, 64)
+    assert len(tokenizer.encode(short.prompt, add_special_tokens=False)) <= 66
+    assert short.prompt.startswith("Intro line.") and short.prompt.endswith("\nQuestion: who?\nAnswer:")
+    assert short.prompt[short.shared_chars:] == "\nQuestion: who?\nAnswer:"
+    assert truncate_middle(sample, tokenizer, 10_000) is sample

@@ -1,0 +1,70 @@
+"""Training is a pure function of (seed, step): an interrupted, resumed run equals a straight one."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from sglang_ext.training import tasks
+from sglang_ext.training.train import Run, TrainConfig, batch_at, export, lengths_at
+
+CFG = TrainConfig(arch="mamba2", tokens=1200, tokens_per_step=512, warmup_steps=2)
+
+
+def _steps(run: Run, n: int) -> None:
+    counter = tasks.TokenCounter(run.tokenizer)
+    for _ in range(n):
+        run.train_step(counter, total_steps=4)
+
+
+def test_batches_depend_only_on_seed_and_step(tmp_path):
+    run = Run(CFG, tmp_path)
+    counter = tasks.TokenCounter(run.tokenizer)
+    a = batch_at(7, 0.1, CFG, run.tokenizer, counter, run.eos)
+    b = batch_at(7, 0.1, CFG, run.tokenizer, counter, run.eos)
+    c = batch_at(8, 0.1, CFG, run.tokenizer, counter, run.eos)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(a[0], c[0]) or a[0].shape != c[0].shape
+    assert a[1].sum() > 0 and (a[1] <= a[2]).all()   # answer tokens are inside the valid tokens
+
+
+def test_curriculum_grows_lengths():
+    assert max(lengths_at(0.0)) < max(lengths_at(0.99))
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path):
+    straight = Run(CFG, tmp_path / "a")
+    _steps(straight, 2)
+    first = Run(CFG, tmp_path / "b")
+    _steps(first, 1)
+    first.save()
+    resumed = Run(CFG, tmp_path / "b")
+    assert resumed.step == 1
+    _steps(resumed, 1)
+    for (name, p), q in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(p, q), name
+    assert straight.tokens == resumed.tokens
+
+
+def test_resume_with_another_config_is_refused(tmp_path):
+    run = Run(CFG, tmp_path / "r")
+    run.save()
+    try:
+        Run(TrainConfig(arch="mamba2", tokens=999), tmp_path / "r")
+    except SystemExit as err:
+        assert "different config" in str(err)
+    else:
+        raise AssertionError("a different config resumed silently")
+
+
+def test_export_is_a_bf16_hf_folder_transformers_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run = Run(CFG, tmp_path / "run")
+    export(run, tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["time_step_min"] == 0.0 and config["hybrid_override_pattern"]
+    assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == run.eos
