@@ -28,6 +28,7 @@ def _add_run(sub) -> None:
     p.add_argument("--tasks", default="niah_single_2,niah_multikey_1,vt", help="RULER tasks")
     p.add_argument("--lengths", default="4096,8192", help="RULER lengths (tokens)")
     p.add_argument("--tokenizer", help="RULER: tokenizer path (default: --model)")
+    p.add_argument("--data-dir", type=Path, help="RULER: where generated samples are cached (default: OUT/ruler_data)")
     p.add_argument("--datasets", default="hotpotqa", help="LongBench datasets")
     p.add_argument("--source", default="hub", help="LongBench: 'hub', a folder of <dataset>.jsonl, or a file")
     p.add_argument("--longbench-e", action="store_true", help="LongBench-E files / configs")
@@ -58,7 +59,7 @@ def _samples_and_scorer(args):
         if not tokenizer:
             raise ValueError("RULER needs --tokenizer (or --model) to size its samples")
         samples = [s for length in map(int, args.lengths.split(",")) for t in names
-                   for s in ruler.load(t, length, ruler.generate(t, length, args.samples, tokenizer, args.out / "ruler_data"), args.samples)]
+                   for s in ruler.load(t, length, ruler.generate(t, length, args.samples, tokenizer, args.data_dir or args.out / "ruler_data"), args.samples)]
         return samples, lambda s, pred: ruler.score(s.dataset, pred, s.answers)
     from eval.quality import longbench
 

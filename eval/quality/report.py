@@ -87,7 +87,10 @@ def plot(table: dict, path: Path) -> None:
     ax.axhline(100, color="gray", lw=0.8)
     ax.set_xlabel("replay budget (% of the matched prefix)")
     ax.set_ylabel("% of full-prefill quality")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    else:
+        ax.set_title("no retention to plot (full-prefill score 0 or no reuse)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -185,6 +185,31 @@ def _qa(task: str, budget: int, count, rng, split) -> tuple[str, str, tuple]:
     return prompt, " " + item.answers[0], item.answers
 
 
+#: training-only task (not RULER): many needles, then many questions, each answered; a dense
+#: associative-recall signal that teaches the attention layers to copy the asked value
+DENSE_RECALL = "dense_recall"
+DENSE_QUESTION = ("What is the special magic number for {key} mentioned in the provided text? "
+                  "The special magic number for {key} mentioned in the provided text is")
+
+
+def dense_recall_segments(length: int, rng: random.Random, tokenizer, split: str = "train",
+                          counter: TokenCounter | None = None) -> list[tuple[str, bool]]:
+    """(text, is_answer) pieces: needles among essay sentences, then questions with answers."""
+    count = counter or TokenCounter(tokenizer)
+    keys = list(dict.fromkeys(_random("words", rng) for _ in range(max(3, length // 64))))
+    values = {k: _random("numbers", rng) for k in keys}
+    asked = rng.sample(keys, min(len(keys), max(2, length // 128)))
+    qa_cost = len(asked) * (count(DENSE_QUESTION.format(key=asked[0])) + 10)
+    needles = [NEEDLE.format(type_v="numbers", key=k, value=values[k]) for k in keys]
+    budget = length - qa_cost - sum(count(n) + 1 for n in needles)
+    filler = _fill(corpus.essay_sentences(split), max(0, budget), count, rng, True) if budget > 0 else []
+    context = " ".join(_insert(filler, needles, rng))
+    pieces = [(context + "\n", False)]
+    for key in asked:
+        pieces += [(DENSE_QUESTION.format(key=key), False), (f" {values[key]}.", True), ("\n", False)]
+    return pieces
+
+
 def make_sample(task: str, length: int, rng: random.Random, tokenizer, split: str = "train",
                 counter: TokenCounter | None = None) -> Sample:
     """One sample of `task` whose prompt is about `length - tokens_to_generate` tokens."""

@@ -32,8 +32,9 @@ from sglang_ext.training.arch import ARCHS, MAX_POSITIONS, SpecialIds, build_mod
 from sglang_ext.training.vocab import VOCAB_SIZE, train_vocab, write_vocab
 from sglang_ext.models.tokenizer import EOS_TOKEN
 
-#: (fraction of the token budget where the stage ends, sequence lengths drawn in it)
-CURRICULUM = ((0.25, (512, 1024)), (0.6, (1024, 2048)), (1.0, (1024, 2048, 4096)))
+#: (fraction of the token budget where the stage ends, sequence lengths drawn in it, weight of
+#: the dense-recall task in it): short dense recall first, so copying is learned early
+CURRICULUM = ((0.35, (128, 256), 24.0), (0.7, (512, 1024), 6.0), (1.0, (1024, 2048, 4096), 2.0))
 TASK_WEIGHTS = {"niah_single_1": 1.0, "niah_single_2": 2.0, "niah_multikey_1": 2.0, "niah_multikey_2": 1.5,
                 "niah_multivalue": 1.0, "niah_multiquery": 1.0, "vt": 1.0, "qa_1": 1.0}
 
@@ -42,38 +43,56 @@ TASK_WEIGHTS = {"niah_single_1": 1.0, "niah_single_2": 2.0, "niah_multikey_1": 2
 class TrainConfig:
     arch: str
     seed: int = 0
-    tokens: int = 2_800_000
+    tokens: int = 2_000_000
     tokens_per_step: int = 2048
-    lr: float = 1.5e-3
+    lr: float = 2e-3
     warmup_steps: int = 60
     weight_decay: float = 0.1
     answer_loss_weight: float = 1.0
 
 
+def stage_at(progress: float) -> tuple[float, tuple[int, ...], float]:
+    return next(stage for stage in CURRICULUM if progress < stage[0] or stage[0] == 1.0)
+
+
 def lengths_at(progress: float) -> tuple[int, ...]:
-    return next(lengths for end, lengths in CURRICULUM if progress < end or end == 1.0)
+    return stage_at(progress)[1]
+
+
+def _segments(task: str, length: int, rng: random.Random, tokenizer, counter, eos_text: str) -> list[tuple[str, bool]]:
+    if task == tasks.DENSE_RECALL:
+        return tasks.dense_recall_segments(length, rng, tokenizer, "train", counter) + [(eos_text, True)]
+    sample = tasks.make_sample(task, length, rng, tokenizer, "train", counter)
+    return [(sample.prompt, False), (sample.target + eos_text, True)]
+
+
+def _encode(segments: list[tuple[str, bool]], tokenizer) -> tuple[list[int], list[bool]]:
+    ids, mask = [], []
+    for text, is_answer in segments:
+        piece = tokenizer.encode(text).ids
+        ids += piece
+        mask += [is_answer] * len(piece)
+    return ids, mask
 
 
 def batch_at(step: int, progress: float, cfg: TrainConfig, tokenizer, counter, eos: int):
-    """(input_ids [B, T], answer mask [B, T]) of step `step`: a pure function of (seed, step)."""
+    """(input_ids, answer mask, valid mask), each [B, T], of step `step`: a pure function of (seed, step)."""
     rng = random.Random(f"{cfg.seed}-{step}")
-    length = rng.choice(lengths_at(progress))
-    names = list(TASK_WEIGHTS)
+    _, lengths, recall_weight = stage_at(progress)
+    length = rng.choice(lengths)
+    weights = {**TASK_WEIGHTS, tasks.DENSE_RECALL: recall_weight}
     rows = []
     for _ in range(max(1, cfg.tokens_per_step // length)):
-        task = rng.choices(names, weights=[TASK_WEIGHTS[n] for n in names])[0]
-        sample = tasks.make_sample(task, length, rng, tokenizer, "train", counter)
-        prompt = tokenizer.encode(sample.prompt).ids
-        answer = tokenizer.encode(sample.target).ids + [eos]
-        rows.append((prompt, answer))
-    width = max(len(p) + len(a) for p, a in rows)
+        task = rng.choices(list(weights), weights=list(weights.values()))[0]
+        rows.append(_encode(_segments(task, length, rng, tokenizer, counter, tokenizer.id_to_token(eos)), tokenizer))
+    width = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), width), eos, dtype=torch.long)
     answer_mask = torch.zeros((len(rows), width), dtype=torch.bool)
     valid = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (p, a) in enumerate(rows):
-        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-        answer_mask[i, len(p): len(p) + len(a)] = True
-        valid[i, : len(p) + len(a)] = True
+    for i, (row_ids, row_mask) in enumerate(rows):
+        ids[i, : len(row_ids)] = torch.tensor(row_ids)
+        answer_mask[i, : len(row_ids)] = torch.tensor(row_mask)
+        valid[i, : len(row_ids)] = True
     return ids, answer_mask, valid
 
 
@@ -163,7 +182,7 @@ def export(run: Run, out: Path) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     gen = {"eos_token_id": run.eos, "pad_token_id": run.eos, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    summary = {"arch": run.cfg.arch, "steps": run.step, "tokens_seen": run.tokens,
+    summary = {"arch": run.cfg.arch, "steps": run.step, "tokens_seen": run.tokens, "finished": run.done,
                "train_seconds": round(run.seconds, 1), "train_config": asdict(run.cfg)}
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
     log = run.run_dir / "loss_log.jsonl"
@@ -172,7 +191,7 @@ def export(run: Run, out: Path) -> None:
 
 
 def train(cfg: TrainConfig, run_dir: Path, export_dir: Path | None, max_minutes: float, save_every_min: float,
-          threads: int | None = None) -> Run:
+          threads: int | None = None, export_unfinished: bool = False) -> Run:
     if threads:
         torch.set_num_threads(threads)
     run = Run(cfg, run_dir)
@@ -195,7 +214,7 @@ def train(cfg: TrainConfig, run_dir: Path, export_dir: Path | None, max_minutes:
                 run.save()
                 last_save = time.time()
     run.save()
-    if run.done and export_dir is not None:
+    if export_dir is not None and (run.done or export_unfinished):
         export(run, export_dir)
     return run
 
@@ -211,9 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-minutes", type=float, default=110.0, help="stop (and save) after this long")
     parser.add_argument("--save-every-min", type=float, default=5.0)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--export-unfinished", action="store_true",
+                        help="export at stop even before the token budget is reached (the card says how far)")
     args = parser.parse_args(argv)
     cfg = TrainConfig(arch=args.arch, seed=args.seed, tokens=args.tokens, lr=args.lr)
-    run = train(cfg, args.run_dir, args.export, args.max_minutes, args.save_every_min, args.threads)
+    run = train(cfg, args.run_dir, args.export, args.max_minutes, args.save_every_min, args.threads,
+                args.export_unfinished)
     print(json.dumps({"step": run.step, "tokens": run.tokens, "seconds": round(run.seconds), "done": run.done}))
     return 0
 

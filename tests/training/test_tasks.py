@@ -69,3 +69,13 @@ def test_held_out_variants_are_not_trained_on():
 
     assert set(TASK_WEIGHTS) == set(tasks.TRAIN_TASKS)
     assert not set(TASK_WEIGHTS) & set(tasks.HELD_OUT_TASKS)
+
+
+def test_dense_recall_asks_only_needles_it_holds(tokenizer, counter):
+    pieces = tasks.dense_recall_segments(512, random.Random(2), tokenizer, "train", counter)
+    context = pieces[0][0]
+    answers = [text for text, is_answer in pieces if is_answer]
+    assert len(answers) == 4
+    assert all(f"is: {a.strip(' .')}." in context for a in answers)
+    total = sum(len(tokenizer.encode(t).ids) for t, _ in pieces)
+    assert 400 <= total <= 560

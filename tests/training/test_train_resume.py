@@ -7,7 +7,7 @@ import json
 import torch
 
 from sglang_ext.training import tasks
-from sglang_ext.training.train import Run, TrainConfig, batch_at, export, lengths_at
+from sglang_ext.training.train import Run, TrainConfig, batch_at, export, lengths_at, stage_at
 
 CFG = TrainConfig(arch="mamba2", tokens=1200, tokens_per_step=512, warmup_steps=2)
 
@@ -29,8 +29,9 @@ def test_batches_depend_only_on_seed_and_step(tmp_path):
     assert a[1].sum() > 0 and (a[1] <= a[2]).all()   # answer tokens are inside the valid tokens
 
 
-def test_curriculum_grows_lengths():
+def test_curriculum_grows_lengths_and_starts_with_dense_recall():
     assert max(lengths_at(0.0)) < max(lengths_at(0.99))
+    assert stage_at(0.0)[2] > stage_at(0.99)[2]
 
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
