@@ -4,6 +4,8 @@ quality" per configuration, and a plot of retention vs replay budget.
 Retention of a configuration = its mean score / the full-prefill mean score on the same
 samples, x100 (means over datasets of per-dataset means, as LongBench / RULER average). A warm
 configuration whose requests reused nothing has no retention ("n/a: no reuse").
+Agreement = % of samples whose greedy output is identical to the full-prefill output: stricter
+than retention, and meaningful even where the model scores poorly on the task.
 """
 
 from __future__ import annotations
@@ -44,8 +46,14 @@ def summarize(rows: list[dict]) -> dict:
             entry["reused"] = round(mean(r["cached_tokens"] for r in rows_c), 1)
             entry["replayed"] = round(mean(r["replayed_tokens"] or 0 for r in rows_c), 1)
             entry["retention"] = _retention(name, entry, base_mean)
+            entry["agreement"] = _agreement(rows_c, base)
             table[group][name] = entry
     return table
+
+
+def _agreement(rows: list[dict], base: list[dict]) -> float:
+    reference = {r["key"]: r["prediction"] for r in base}
+    return round(100.0 * mean(r["prediction"] == reference[r["key"]] for r in rows), 1)
 
 
 def _retention(name: str, entry: dict, base_mean: float | None):
@@ -59,14 +67,14 @@ def _retention(name: str, entry: dict, base_mean: float | None):
 def markdown(table: dict) -> str:
     out = []
     for group, configs in table.items():
-        datasets = sorted({k for e in configs.values() for k in e} - {"mean", "samples", "reused", "replayed", "retention"})
+        datasets = sorted({k for e in configs.values() for k in e} - {"mean", "samples", "reused", "replayed", "retention", "agreement"})
         out.append(f"### {group}\n")
-        out.append("| config | " + " | ".join(datasets) + " | mean | % of full | reused tok | replayed tok | n |")
-        out.append("|---|" + "---:|" * (len(datasets) + 5))
+        out.append("| config | " + " | ".join(datasets) + " | mean | % of full | same output as full (%) | reused tok | replayed tok | n |")
+        out.append("|---|" + "---:|" * (len(datasets) + 6))
         for name, e in configs.items():
             cells = [f"{e.get(d, float('nan')):.1f}" for d in datasets]
             ret = e["retention"] if isinstance(e["retention"], str) else f"{e['retention']:.1f}"
-            out.append(f"| {name} | " + " | ".join(cells) + f" | {e['mean']:.1f} | {ret} | {e['reused']:.0f} | {e['replayed']:.0f} | {e['samples']} |")
+            out.append(f"| {name} | " + " | ".join(cells) + f" | {e['mean']:.1f} | {ret} | {e['agreement']:.1f} | {e['reused']:.0f} | {e['replayed']:.0f} | {e['samples']} |")
         out.append("")
     return "\n".join(out)
 

@@ -14,7 +14,7 @@ from eval.quality.configs import STOCK, TAIL_REPLAY
 
 #: Tail-Replay server: no exact state checkpoints, so every hit is rebuilt from the tail alone
 TAIL_REPLAY_SERVER_CONFIG = {"keep_checkpoints": False}
-DEFAULT_LAUNCH_ARGS = "--dtype float32 --context-length 40000"
+DEFAULT_LAUNCH_ARGS = "--dtype float32"
 
 
 class ServerUnreachable(RuntimeError):

@@ -59,6 +59,20 @@ def loss_plot(rows: list[dict], out: Path, window: int = 25) -> None:
     plt.close(fig)
 
 
+#: the issue's aim for needle retrieval at 4K through the server
+TARGETS_4K = {"niah_single_2": 90.0, "niah_multikey_1": 50.0}
+
+
+def target_status(scores: dict) -> str:
+    """One generated sentence: the 4K needle scores against the aims, met or not."""
+    parts = []
+    for task, aim in TARGETS_4K.items():
+        got = scores["scores"].get(task, {}).get("4096")
+        parts.append(f"{task} {'n/a' if got is None else f'{got:.1f}%'} (aim >= {aim:.0f}%: "
+                     f"{'met' if got is not None and got >= aim else 'not met'})")
+    return "Needle retrieval at 4K: " + "; ".join(parts) + "."
+
+
 def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: float) -> str:
     cfg = summary["train_config"]
     hours = summary["train_seconds"] / 3600
@@ -67,6 +81,8 @@ def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: floa
 
 A small {summary['arch'].upper()} hybrid trained from scratch on this project's 2-core CPU, for measuring
 what Tail-Replay keeps of a model's long-context retrieval. Not a general-purpose language model.
+
+**Status:** {target_status(scores)}
 
 ## Architecture
 {ARCH_TEXT[summary['arch']]} Vocabulary 2,048 (byte-level BPE, digits split, trained on the same
@@ -87,8 +103,9 @@ plus next-token loss on the answer tokens.
 `python -m sglang_ext.training.train --arch {summary['arch']} --run-dir runs/train-{summary['arch']} --export trained_models/{name} --tokens {cfg['tokens']}`
 (seed {cfg['seed']}, AdamW lr {cfg['lr']:g} warmup {cfg['warmup_steps']} steps then cosine to 10%,
 {cfg['tokens_per_step']} tokens per step, weight decay {cfg['weight_decay']}, grad clip 1.0, fp32 on the CPU).
-Steps: {summary['steps']}; tokens seen: {summary['tokens_seen']:,}; training time: {hours:.2f} h of wall time
-(2 CPU cores; resumed runs add up).
+Steps: {summary['steps']}; tokens seen: {summary['tokens_seen']:,} of a {cfg['tokens']:,}-token schedule
+({'finished' if summary.get('finished', True) else 'stopped early by the time cap (`--max-minutes`, `--export-unfinished`); the schedule was not completed'});
+training time: {hours:.2f} h of wall time on the 2-core CPU machine (sum over resumed runs).
 
 ![loss](loss_curve.png)
 

@@ -57,9 +57,10 @@ def test_truncated_last_line_is_dropped_and_a_bad_middle_line_is_an_error(tmp_pa
         runner.read_rows(path)
 
 
-def _row(config, dataset, score, key, cached=100, replayed=10, group="4K"):
+def _row(config, dataset, score, key, cached=100, replayed=10, group="4K", prediction=None):
     return {"config": config, "dataset": dataset, "score": score, "key": key, "group": group,
-            "cached_tokens": 0 if config == "full" else cached, "replayed_tokens": replayed}
+            "cached_tokens": 0 if config == "full" else cached, "replayed_tokens": replayed,
+            "prediction": prediction if prediction is not None else f"{key}:{score}"}
 
 
 def test_retention_is_the_ratio_of_dataset_means():
@@ -72,6 +73,8 @@ def test_retention_is_the_ratio_of_dataset_means():
     assert table["tr-5"]["retention"] == 78.3
     assert table["stock"]["retention"] == "n/a: no reuse"
     assert table["tr-5"]["reused"] == 100.0
+    # same output as full prefill: sample 3 only (same score -> same prediction text here)
+    assert table["tr-5"]["agreement"] == 33.3 and table["full"]["agreement"] == 100.0
 
 
 def test_question_cut_points():

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Measure one trained model folder end to end (CPU, patched SGLang servers):
+#   1. RULER-style accuracy at 1K-8K through the server (full prefill) -> ruler_scores.json
+#   2. learned decay / half-lives per linear layer and head             -> decay.json
+#   3. model card + loss plot                                           -> README.md, loss_curve.png
+#   4. quality retained under Tail-Replay (RULER, 4K / 8K, every configuration) and the LongBench
+#      path on a locally built LongBench-format set                    -> docs/results/<name>/
+# Usage: bash scripts/measure_trained.sh trained_models/gdn-ruler   (env: SAMPLES, Q_SAMPLES)
+set -euo pipefail
+MODEL=${1:?model folder}
+NAME=$(basename "$MODEL")
+SAMPLES=${SAMPLES:-5}
+Q_SAMPLES=${Q_SAMPLES:-4}
+PY=${PY:-.venv/bin/python}
+OUT=runs/quality-$NAME
+RESULTS=docs/results/$NAME
+
+$PY -m sglang_ext.training.evaluate --model "$MODEL" --samples "$SAMPLES"
+$PY -m sglang_ext.training.decay --model "$MODEL" --samples 8
+$PY -m sglang_ext.training.card --model "$MODEL"
+$PY -m eval.quality run --benchmark ruler --model "$MODEL" --tasks niah_single_2,niah_multikey_1 \
+    --lengths 4096,8192 --samples "$Q_SAMPLES" --out "$OUT/ruler"
+$PY -m eval.quality make-longbench --out "$OUT/longbench-data" --words 1500 --samples "$Q_SAMPLES"
+$PY -m eval.quality run --benchmark longbench --model "$MODEL" --datasets hotpotqa,multifieldqa_en \
+    --source "$OUT/longbench-data" --configs full,stock,tr-5,tr-10,tr-5-recompute,tr-10-recompute \
+    --samples "$Q_SAMPLES" --out "$OUT/longbench"
+mkdir -p "$RESULTS"
+for b in ruler longbench; do
+  cp "$OUT/$b/summary.md" "$RESULTS/$b-summary.md"
+  cp "$OUT/$b/summary.json" "$RESULTS/$b-summary.json"
+  cp "$OUT/$b/retention.png" "$RESULTS/$b-retention.png"
+done
