@@ -89,9 +89,8 @@ def load(task: str, length: int, path: Path, n: int) -> list[EvalSample]:
 
 def score(task: str, prediction: str, answers: tuple[str, ...]) -> float:
     """RULER's per-sample score in [0, 100] after its postprocessing."""
-    import re
-
     from long_context_eval.eval.synthetic.constants import TASKS
 
-    pred = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
-    return TASKS[task_table()[task]["task"]]["metric_fn_per_sample"]([pred], [list(answers)])[0]
+    from sglang_ext.training.tasks import ruler_score
+
+    return ruler_score(TASKS[task_table()[task]["task"]]["metric_fn"].__name__, prediction, answers)

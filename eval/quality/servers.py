@@ -73,5 +73,3 @@ def launched(model: str, kinds: list[str], launch_args: str, log_dir: Path):
     finally:
         stop_servers(list(procs.values()))
 
-
-KINDS = (STOCK, TAIL_REPLAY)

@@ -4,13 +4,15 @@
 
 Reads what training and evaluation wrote into the folder (training_summary.json,
 loss_log.jsonl, ruler_scores.json, decay.json) and writes loss_curve.png and README.md.
-Nothing in the card is typed by hand: a missing input is an error naming the file.
+Every measured figure (training, scores, decay, sizes) is read from those files, and a missing
+one is an error naming it; `ARCH_TEXT` is the prose description of `arch.py`'s two configs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 from sglang_ext.training import tasks
@@ -73,7 +75,14 @@ def target_status(scores: dict) -> str:
     return "Needle retrieval at 4K: " + "; ".join(parts) + "."
 
 
-def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: float) -> str:
+def parameter_count(weights: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: float, params: int) -> str:
     cfg = summary["train_config"]
     hours = summary["train_seconds"] / 3600
     curriculum = "; ".join(f"up to {int(end * 100)}% of tokens: lengths {', '.join(map(str, ls))}, dense-recall weight {w:g}"
@@ -87,7 +96,7 @@ what Tail-Replay keeps of a model's long-context retrieval. Not a general-purpos
 
 ## Architecture
 {ARCH_TEXT[summary['arch']]} Vocabulary 2,048 (byte-level BPE, digits split, trained on the same
-corpus). Weights: bf16 safetensors, {size_mb:.1f} MB. Loads with `AutoModelForCausalLM.from_pretrained`
+corpus). {params / 1e6:.2f}M parameters; weights: bf16 safetensors, {size_mb:.1f} MB. Loads with `AutoModelForCausalLM.from_pretrained`
 and `sglang-ext serve --model-path` (config.json carries the fields SGLang 0.5.23 reads).
 
 ## Data recipe
@@ -132,7 +141,8 @@ def write_card(folder: Path) -> Path:
     rows = [json.loads(line) for line in _read(folder, "loss_log.jsonl").splitlines() if line.strip()]
     loss_plot(rows, folder / "loss_curve.png")
     size_mb = (folder / "model.safetensors").stat().st_size / 1e6
-    text = card_text(folder.name, summary, _read(folder, "ruler_scores.json"), _read(folder, "decay.json"), size_mb)
+    params = parameter_count(folder / "model.safetensors")
+    text = card_text(folder.name, summary, _read(folder, "ruler_scores.json"), _read(folder, "decay.json"), size_mb, params)
     (folder / "README.md").write_text(text)
     return folder / "README.md"
 

@@ -27,14 +27,7 @@ SERVER_ARGS = ["--disable-radix-cache", "--dtype", "float32", "--context-length"
 
 
 def score(task: str, prediction: str, answers: tuple[str, ...]) -> float:
-    """RULER's per-sample score in [0, 100] (its postprocessing: strip, control chars -> newline)."""
-    import re
-
-    from long_context_eval.eval.synthetic.constants import string_match_all_per_sample, string_match_part_per_sample
-
-    pred = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
-    fn = string_match_all_per_sample if tasks.METRIC[task] == "string_match_all" else string_match_part_per_sample
-    return fn([pred], [list(answers)])[0]
+    return tasks.ruler_score(tasks.METRIC[task], prediction, answers)
 
 
 def eval_samples(tokenizer, task_names, lengths, n: int) -> list[tasks.Sample]:

@@ -53,6 +53,17 @@ TOKENS_TO_GENERATE = {**{t: 64 for t in NIAH_TASKS}, "niah_single_3": 48, "niah_
                       "niah_multivalue": 48, "niah_multiquery": 48, "vt": 30, "qa_1": 32, "qa_2": 32}
 
 
+def ruler_score(metric: str, prediction: str, answers) -> float:
+    """RULER's per-sample score in [0, 100] for `metric` ("string_match_all" / "string_match_part"),
+    after RULER's postprocessing (strip; control characters -> newline)."""
+    import re
+
+    from long_context_eval.eval.synthetic import constants
+
+    pred = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
+    return getattr(constants, f"{metric}_per_sample")([pred], [list(answers)])[0]
+
+
 @dataclass(frozen=True)
 class Sample:
     task: str
