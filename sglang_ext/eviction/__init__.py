@@ -9,7 +9,7 @@ from .belady import BeladyPolicy
 from .lfu import LFUPolicy
 from .lru import LRUPolicy
 from .marconi import MarconiConfig, MarconiPolicy
-from .sae import SAEConfig, SAEPolicy, SAEState
+from .sae import SAEConfig, SAEModelPolicy, SAEPolicy, SAEState
 from .slru import SLRUConfig, SLRUPolicy
 from .tlru import TLRUConfig, TLRUPolicy
 
@@ -26,5 +26,5 @@ def make_policy(name: str, **kwargs) -> EvictionPolicy:
 __all__ = ["NEVER", "POLICY_REGISTRY", "TOKEN_TYPES", "BeladyPolicy", "EntryInfo",
            "EvictionPolicy", "Key", "LFUPolicy", "LRUPolicy", "LazyMinHeap", "MarconiConfig",
            "MarconiPolicy", "PriorityPolicy", "RequestInfo", "SAEConfig", "SAEPolicy",
-           "SAEState", "SLRUConfig", "SLRUPolicy", "TLRUConfig", "TLRUPolicy", "make_policy",
+           "SAEModelPolicy", "SAEState", "SLRUConfig", "SLRUPolicy", "TLRUConfig", "TLRUPolicy", "make_policy",
            "register"]

@@ -1,19 +1,29 @@
 """SAECache: semantic-adaptive eviction (design and math: docs/saecache.md).
 
-Entries are routed to queues (``shared``: reused across sessions or requests, i.e.
-structural reuse; ``session``: private multi-turn context; ``single``: seen by one
-request of unknown session) and typed by token type. Each (queue, type) class is an LRU
-list with an online log-normal model of its leaves' re-reference time and a reuse
-probability. To free space SAE looks at the oldest entry of every class and evicts the
-one least likely to be re-referenced within the cache's horizon ``H``:
+Cached entries belong to *owners*: the session whose private context they are
+(``session`` queue), the single request of unknown session that brought them
+(``single``), or, once a second session / request reads them, the entry itself
+(``shared``). An owner is in a *state*: the token type its last request ended with
+(split by the size of the cached output), e.g. a tool call -> the next request is
+seconds away, a response -> a user has to answer. Per (queue, state) class SAE fits
+online a log-normal model of the time T to the owner's next reference (for sessions: the
+gap between requests, observed exactly) and the chance rho that there is one at all.
 
-    value = W[queue] * U[type] * (1 + start/P0) ** -gamma * rho * P(T <= a + H | T > a)
+To free space SAE evicts the evictable entry with the smallest value density
 
-with ``a`` the entry's age, ``T`` its class's log-normal re-reference time and ``H`` the
-running mean age at eviction. A ghost list of evicted keys turns re-references into
-feedback: queue/type weights equalise ghost-hit rates across classes, reuse times
-observed after eviction correct the censoring of the fit, and ``gamma`` is fitted to
-reuse vs position. Deterministic: no randomness, insertion-ordered containers only.
+    v = g_c(a) * cost_per_block ** p,   g_c(a) = P(next reference within H | none for age a)
+      = rho (S(a) - S(a + H)) / (rho S(a) + 1 - rho)
+
+with ``S`` the log-normal survival, ``a`` the entry's age and ``H`` the cache's mean
+block residence time (Little's law: cached blocks / eviction rate). Overdue owners
+(S(a) small) and owners whose next request is far away go first; owners about to
+return are kept whole.
+
+A second expert, LRU, proposes its own victim. Every disagreement is judged afterwards
+by Belady's rule on the pair (whichever of the two candidates is referenced first
+should have been kept, weighted by its recompute cost) and SAE follows the model only
+while it wins at least half of the recent weighted disagreements. Deterministic: no
+randomness, insertion-ordered containers, heaps with sequence-number tie-breaks.
 """
 
 from __future__ import annotations
@@ -25,21 +35,34 @@ from dataclasses import dataclass, field, replace
 from .base import NEVER, EntryInfo, EvictionPolicy, Key, LazyMinHeap, RequestInfo, register
 
 QUEUES = ("shared", "session", "single")
+SQRT2 = math.sqrt(2.0)
+OUTPUT_TYPES = frozenset(("response", "reasoning", "tool_call"))
+MAX_SIZE_CLASS = 7  # output size classes: log2 buckets of cached output blocks, capped
+PACE_STEP = 0.7  # log-time width of the per-session pace buckets
 
 
 @dataclass(frozen=True)
 class SAEConfig:
     learning: bool = True  # False: parameters stay as initialised (fixed-parameter variant)
-    prior_reuse_s: float = 30.0  # median re-reference time before any observation
+    prior_reuse_s: float = 30.0  # median time to the next reference before any observation
     prior_log_sigma: float = 1.5
     prior_reuse_prob: float = 0.5
-    min_stat_rate: float = 0.01  # floor of the 1/n rate of all running moments
-    weight_rate: float = 0.02  # eta of the multiplicative weight updates
-    weight_bounds: tuple[float, float] = (0.8, 1.25)  # a bounded correction on top of rho
-    position_scale_tokens: float = 1024.0
-    gamma_bounds: tuple[float, float] = (0.0, 0.25)
-    ghost_factor: float = 1.0  # ghost capacity relative to the number of cached entries
+    min_sigma: float = 0.5  # the log-normal fit is never more certain than this
+    min_stat_rate: float = 0.01  # floor of the 1/n rate of the running moments
+    horizon_rate: float = 1e-3  # floor of the 1/n rate of the eviction-rate estimate
+    expert_rate: float = 0.01  # floor of the 1/n rate of the model's win rate
+    cost_power: float = 0.5  # value *= (recompute cost per block) ** cost_power; 1: TTFT-optimal
+    #                          weighting (attention: deeper blocks cost more), 0: hit ratio
+    silence_quantile_z: float = 2.33  # a session silent past its class's 99th pct has ended
+    ghost_factor: float = 1.0  # ghost / pending-duel capacity relative to cached entries
     min_ghosts: int = 256
+    use_lru_expert: bool = True  # follow LRU while the model loses the pairwise duels
+    duel_stake_blocks: bool = True  # weigh a duel by the blocks of the entry referenced first
+    duel_window: float = math.inf  # unresolved duels expire after this many residence times H
+    duel_cap_factor: int = 1  # ... or beyond this many per ghost slot (FIFO)
+    horizon_scale: float = 1.0  # H multiplier (ablation only; 1 = Little's law residence time)
+    session_rate: float = 0.0  # >0: per-session shift of the class's log gap (ablation)
+    output_size_classes: bool = True  # split output states by log2 of the cached output size
 
 
 @dataclass
@@ -49,12 +72,14 @@ class ReuseTimeModel:
     mu: float
     var: float
     n: int = 0
-    min_sigma: float = 0.5  # regularises the fit: never more certain than this
+    min_sigma: float = 0.5
 
     def observe(self, seconds: float, min_rate: float) -> None:
+        self.observe_log(math.log(max(seconds, 1e-3)), min_rate)
+
+    def observe_log(self, x: float, min_rate: float) -> None:
         self.n += 1
         rate = max(1.0 / self.n, min_rate)
-        x = math.log(max(seconds, 1e-3))
         delta = x - self.mu
         self.mu += rate * delta
         self.var = (1.0 - rate) * (self.var + rate * delta * delta)
@@ -67,14 +92,10 @@ class ReuseTimeModel:
         """P(T > seconds)."""
         if seconds <= 0:
             return 1.0
-        return 0.5 * math.erfc((math.log(seconds) - self.mu) / (self.sigma * math.sqrt(2.0)))
+        return 0.5 * math.erfc((math.log(seconds) - self.mu) / (self.sigma * SQRT2))
 
-    def hazard(self, age: float, horizon: float) -> float:
-        """P(T <= age + horizon | T > age): chance of a re-reference within the horizon."""
-        alive = self.survival(age)
-        if alive <= 1e-300:
-            return 0.0
-        return max(alive - self.survival(age + horizon), 0.0) / alive
+    def quantile(self, z: float) -> float:
+        return math.exp(self.mu + z * self.sigma)
 
 
 @dataclass
@@ -88,31 +109,18 @@ class ClassStats:
         rate = max(1.0 / (self.outcomes + 1), min_rate)
         self.reuse_prob += rate * (float(reused) - self.reuse_prob)
 
+    def soon(self, age: float, horizon: float, scale: float = 1.0) -> float:
+        return soon(self.reuse_time, self.reuse_prob, age, horizon, scale)
 
-@dataclass
-class PositionModel:
-    """Running moments of (x = log(1 + start/P0), reused) -> decay power gamma."""
 
-    mean_x: float = 0.0
-    mean_y: float = 0.0
-    cov_xy: float = 0.0
-    var_x: float = 0.0
-    n: int = 0
-
-    def observe(self, x: float, y: float, min_rate: float) -> None:
-        self.n += 1
-        rate = max(1.0 / self.n, min_rate)
-        dx, dy = x - self.mean_x, y - self.mean_y
-        self.mean_x += rate * dx
-        self.mean_y += rate * dy
-        self.cov_xy = (1.0 - rate) * (self.cov_xy + rate * dx * dy)
-        self.var_x = (1.0 - rate) * (self.var_x + rate * dx * dx)
-
-    def gamma(self, bounds: tuple[float, float]) -> float:
-        """Slope of log reuse rate vs x, linearised around the mean: -cov/(mean_y*var)."""
-        if self.var_x < 1e-6 or self.mean_y < 1e-6:
-            return bounds[0]
-        return min(max(-self.cov_xy / (self.mean_y * self.var_x), bounds[0]), bounds[1])
+def soon(model: ReuseTimeModel, rho: float, age: float, horizon: float, scale: float = 1.0) -> float:
+    """g(a) = P(a reference within (a, a + H] | none during the age a); ``scale``
+    stretches the reuse time (an owner known to be slower or faster than its class)."""
+    alive = model.survival(age / scale)
+    denom = rho * alive + 1.0 - rho
+    if denom <= 1e-300:
+        return 0.0
+    return max(rho * (alive - model.survival((age + horizon) / scale)), 0.0) / denom
 
 
 @dataclass
@@ -120,39 +128,51 @@ class SAEState:
     """Everything SAE learns; ``snapshot`` copies it to warm-start another instance."""
 
     classes: dict[tuple[str, str], ClassStats] = field(default_factory=dict)
-    queue_weight: dict[str, float] = field(default_factory=dict)
-    type_weight: dict[str, float] = field(default_factory=dict)
-    position: PositionModel = field(default_factory=PositionModel)
-    horizon_s: float = 30.0  # running mean age of evicted entries
+    horizon_s: float = 30.0  # mean block residence time (Little's law)
+    evict_dt_ew: float = 0.0  # running sums: seconds between evictions / blocks evicted
+    evict_blocks_ew: float = 0.0
     evictions: int = 0
-    ghost_hit_ew: float = 0.0
-    eviction_ew: float = 0.0
-
-    @property
-    def ghost_hit_rate(self) -> float:
-        return self.ghost_hit_ew / self.eviction_ew if self.eviction_ew else 0.0
+    model_win_rate: float = 0.5  # cost-weighted share of resolved disagreements the model won
+    duels: int = 0
+    duel_win_ew: float = 0.0  # running sums behind model_win_rate
+    duel_weight_ew: float = 0.0
 
     def snapshot(self) -> "SAEState":
         classes = {k: ClassStats(replace(v.reuse_time), v.reuse_prob, v.outcomes)
                    for k, v in self.classes.items()}
-        return replace(self, classes=classes, queue_weight=dict(self.queue_weight),
-                       type_weight=dict(self.type_weight), position=replace(self.position))
+        return replace(self, classes=classes)
 
 
 class _Entry:
-    __slots__ = ("token_type", "start", "n_blocks", "t_last", "session", "shared", "klass")
+    __slots__ = ("token_type", "start", "n_blocks", "t_last", "owner", "cost_bucket",
+                 "requester")
 
-    def __init__(self, info: EntryInfo, session, now: float) -> None:
+    def __init__(self, info: EntryInfo, owner, requester, now: float, bucket: int) -> None:
         self.token_type, self.start, self.n_blocks = info.token_type, info.start_token, info.n_blocks
-        self.t_last, self.session, self.shared = now, session, False
-        self.klass = ("session" if isinstance(session, int) else "single", info.token_type)
+        self.t_last, self.owner, self.requester, self.cost_bucket = now, owner, requester, bucket
+
+
+class _Owner:
+    """A session (or request, or shared entry) and its evictable entries."""
+
+    __slots__ = ("key", "queue", "state", "t_request", "request", "entries", "klass", "open",
+                 "n_entries", "log_pace", "pace", "out_blocks")
+
+    def __init__(self, key, queue: str, state: str, now: float, request: int) -> None:
+        self.key, self.queue, self.state = key, queue, state
+        self.t_request, self.request = now, request
+        self.entries = LazyMinHeap()  # evictable entries, oldest (then deepest) first
+        self.klass = None  # (queue, state, cost bucket) it is queued under, None: not queued
+        self.open = False  # waiting for its next request (session outcome bookkeeping)
+        self.n_entries = 0  # cached entries it owns (evictable or not)
+        self.log_pace, self.pace = 0.0, 0  # running log(own gap / class median), its bucket
+        self.out_blocks = 0  # output blocks cached by its current request
 
 
 @dataclass(frozen=True)
 class _Ghost:
     klass: tuple[str, str]
     t_last: float
-    start: int
 
 
 @register
@@ -163,53 +183,97 @@ class SAEPolicy(EvictionPolicy):
         self.config = config
         self.state = state.snapshot() if state is not None else SAEState(horizon_s=config.prior_reuse_s)
         self._entries: dict[Key, _Entry] = {}
-        self._queues: dict[tuple[str, str], LazyMinHeap] = {}  # per class, by last access
+        self._owners: dict[object, _Owner] = {}
+        self._oldest: dict[tuple, LazyMinHeap] = {}  # per class: owners by head age, oldest first
+        self._youngest: dict[tuple, LazyMinHeap] = {}  # per class: youngest first
+        self._lru = LazyMinHeap()  # all evictable entries by last access (the LRU expert)
         self._ghosts: OrderedDict[Key, _Ghost] = OrderedDict()
+        self._open: dict[tuple[str, str], OrderedDict] = {}  # per session class: open owners
+        self._duels: OrderedDict[int, tuple] = OrderedDict()  # id -> (evicted, kept, model evicted?)
+        self._duels_of: dict[Key, list[int]] = {}
+        self._duel_ids = 0
+        self._cached_blocks = 0
+        self._last_evict_t: float | None = None
+        self._proposals: tuple = (None, None)  # (model, lru) victims of the last victim() call
+        self._values: dict[tuple, tuple] = {}  # per class: memoised values at (time, version)
+        self._values_at, self._version, self._values_version = None, 0, -1
+        self._horizon = self.state.horizon_s
 
     # ----- events ---------------------------------------------------------------
     def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
-        self._entries[key] = _Entry(info, _session_of(request), request.time)
-        self._ghost_feedback(key)
+        self._referenced(key, request.time)
+        owner = self._owner_for(request)
+        self._request_event(owner, info.token_type, request, info.n_blocks)
+        entry = _Entry(info, owner.key, _requester(request), request.time, self._bucket(info))
+        self._entries[key] = entry
+        owner.n_entries += 1
+        self._cached_blocks += info.n_blocks
+        self._ghost_feedback(key, request.time)
 
     def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+        self._referenced(key, request.time)
         entry = self._entries[key]
-        if self._is_candidate(key, entry):
-            self._learn_reference(entry, request.time - entry.t_last)
-        self._route(key, entry, _session_of(request))
+        requester = _requester(request)
+        owner = self._owners[entry.owner]
+        evictable = key in owner.entries
+        if owner.queue != "shared" and requester != entry.requester:
+            self._make_shared(key, entry, evictable)
+            owner = self._owners[entry.owner]
+        if owner.queue == "shared":
+            if evictable:
+                self._learn_reference((owner.queue, owner.state), request.time - entry.t_last)
+            owner.t_request = request.time
+        elif owner.queue == "single":
+            if evictable:
+                self._learn_reference((owner.queue, owner.state), request.time - entry.t_last)
+        else:
+            self._request_event(owner, info.token_type, request)
         entry.t_last = request.time
-        self._requeue(key, entry)
+        if evictable:
+            self._place(key, entry)
 
     def resize(self, key: Key, info: EntryInfo) -> None:
         entry = self._entries[key]
         if info.n_blocks > entry.n_blocks:
-            self._ghost_feedback(key)
+            self._ghost_feedback(key, entry.t_last)
+        self._cached_blocks += info.n_blocks - entry.n_blocks
         entry.n_blocks = info.n_blocks
 
     def set_evictable(self, key: Key, evictable: bool) -> None:
         entry = self._entries[key]
+        owner = self._owners[entry.owner]
         if evictable:
-            self._queue(entry.klass).set(key, self.queue_key(entry))
+            self._place(key, entry)
         else:
-            self._queue(entry.klass).discard(key)
+            owner.entries.discard(key)
+            self._lru.discard(key)
+            self._requeue(owner)
 
     def victim(self, now: float) -> Key | None:
-        best, best_score = None, None
-        for klass, queue in self._queues.items():
-            head = queue.peek_entry()
-            if head is None:
-                continue
-            score = head[0] + self.state.horizon_s * math.log(self.class_value(klass))
-            if best_score is None or score < best_score:
-                best, best_score = head[2], score
-        return best
+        model = self._model_victim(now)
+        if model is None or not self.config.use_lru_expert:
+            return model
+        lru = self._lru.peek()
+        self._proposals = (model, lru)  # judged later if the two experts disagree
+        if lru == model or self.state.model_win_rate >= 0.5:
+            return model
+        return lru
 
     def evicted(self, key: Key, remaining: EntryInfo | None, now: float) -> None:
         entry = self._entries[key]
-        self._remember_ghost(key, entry)
-        self._learn_eviction(entry, now)
+        owner = self._owners[entry.owner]
+        self._note_duel(key, now)
+        self._learn_eviction(entry, remaining, now)
+        self._ghosts.pop(key, None)
+        self._ghosts[key] = _Ghost((owner.queue, owner.state), entry.t_last)
         if remaining is None:
-            self._queue(entry.klass).discard(key)
+            owner.entries.discard(key)
+            self._lru.discard(key)
             del self._entries[key]
+            owner.n_entries -= 1
+            self._requeue(owner)
+            if owner.n_entries == 0 and owner.queue != "session":
+                self._drop_owner(owner)
         else:
             entry.n_blocks = remaining.n_blocks
         self._trim_ghosts()
@@ -219,117 +283,320 @@ class SAEPolicy(EvictionPolicy):
         found = self.state.classes.get(klass)
         if found is None:
             cfg = self.config
-            model = ReuseTimeModel(mu=math.log(cfg.prior_reuse_s), var=cfg.prior_log_sigma ** 2)
+            mu = 0.0 if isinstance(klass[1], tuple) else math.log(cfg.prior_reuse_s)
+            model = ReuseTimeModel(mu=mu, var=cfg.prior_log_sigma ** 2, min_sigma=cfg.min_sigma)
             found = self.state.classes[klass] = ClassStats(model, cfg.prior_reuse_prob)
         return found
 
-    def weight(self, klass: tuple[str, str]) -> float:
-        queue, token_type = klass
-        return self.state.queue_weight.get(queue, 1.0) * self.state.type_weight.get(token_type, 1.0)
+    def reuse_model(self, klass: tuple) -> ReuseTimeModel:
+        """Reuse-time model of (queue, state). A state split by output size stores only
+        its offset from the type's model, so it follows when the type's model moves."""
+        queue, state = klass
+        if not isinstance(state, tuple):
+            return self.stats(klass).reuse_time
+        base, offset = self.stats((queue, state[0])).reuse_time, self.stats(klass).reuse_time
+        return ReuseTimeModel(mu=base.mu + offset.mu, var=offset.var, n=offset.n,
+                              min_sigma=offset.min_sigma)
 
-    def class_value(self, klass: tuple[str, str]) -> float:
-        """Weighted chance that a fresh entry of ``klass`` is re-referenced within the
-        horizon: rho * P(T <= H) * W[queue] * U[type]. Floored to keep logs finite."""
-        stats = self.stats(klass)
-        soon = 1.0 - stats.reuse_time.survival(self.state.horizon_s)
-        return max(self.weight(klass) * stats.reuse_prob * soon, 1e-9)
+    def value(self, klass: tuple, age: float, horizon: float | None = None) -> float:
+        """Value density of an entry of ``klass`` (queue, state, cost bucket) at ``age``."""
+        queue, state, bucket, pace = klass
+        if horizon is None:
+            horizon = self.state.horizon_s * self.config.horizon_scale
+        g = soon(self.reuse_model((queue, state)), self.stats((queue, state)).reuse_prob, age,
+                 horizon, math.exp(pace * PACE_STEP))
+        return g * 2.0 ** (bucket * self.config.cost_power) if self.config.cost_power else g
 
-    def queue_key(self, entry: _Entry) -> float:
-        """Per-class LRU key: last access, aged by the learned position decay."""
-        return entry.t_last + self.state.horizon_s * math.log(self._position_factor(entry.start))
+    def _model_victim(self, now: float) -> Key | None:
+        best, best_value = None, None
+        if now != self._values_at or self._version != self._values_version:
+            self._values.clear()
+            self._values_at, self._values_version = now, self._version
+            self._horizon = self.state.horizon_s * self.config.horizon_scale  # fixed per instant
+        horizon = self._horizon
+        cached = self._values
+        for klass, oldest in self._oldest.items():
+            head = oldest.peek_entry()
+            if head is None:
+                continue
+            young = self._youngest[klass].peek_entry()
+            memo = cached.get(klass)
+            if memo is None or memo[0] != head[0] or memo[1] != young[0]:
+                old_value = self.value(klass, now - head[0], horizon)
+                young_value = self.value(klass, now + young[0], horizon) if young[2] != head[2] else old_value
+                memo = cached[klass] = (head[0], young[0], old_value, young_value)
+            if best_value is None or memo[2] < best_value:
+                best, best_value = head[2], memo[2]
+            if memo[3] < best_value:
+                best, best_value = young[2], memo[3]
+        if best is None:
+            return None
+        return self._owners[best].entries.peek()
 
-    def _position_factor(self, start: int) -> float:
-        gamma = self.state.position.gamma(self.config.gamma_bounds)
-        return (1.0 + start / self.config.position_scale_tokens) ** -gamma
+    def _bucket(self, info: EntryInfo) -> int:
+        """log2 bucket of the recompute cost per block; representative cost 2**bucket."""
+        if info.compute_cost <= 0 or info.n_blocks <= 0:
+            return 0
+        return round(math.log2(info.compute_cost / info.n_blocks))
 
-    # ----- queues ---------------------------------------------------------------
-    def _queue(self, klass: tuple[str, str]) -> LazyMinHeap:
-        queue = self._queues.get(klass)
-        if queue is None:
-            queue = self._queues[klass] = LazyMinHeap()
-        return queue
+    # ----- owners and queues ----------------------------------------------------
+    def _owner_for(self, request: RequestInfo) -> _Owner:
+        if request.session is not None:
+            key, queue = ("session", request.session), "session"
+        else:
+            key, queue = ("request", request.index), "single"
+        owner = self._owners.get(key)
+        if owner is None:
+            owner = self._owners[key] = _Owner(key, queue, "unknown", request.time, -1)
+        return owner
 
-    def _is_candidate(self, key: Key, entry: _Entry) -> bool:
-        return key in self._queue(entry.klass)
+    def _make_shared(self, key: Key, entry: _Entry, evictable: bool) -> None:
+        old = self._owners[entry.owner]
+        old.entries.discard(key)
+        old.n_entries -= 1
+        self._requeue(old)
+        if old.n_entries == 0 and old.queue != "session":
+            self._drop_owner(old)
+        owner = self._owners[("entry", key)] = _Owner(("entry", key), "shared", entry.token_type,
+                                                      entry.t_last, -1)
+        entry.owner = owner.key
+        owner.n_entries = 1
+        if evictable:
+            owner.entries.set(key, (entry.t_last, -entry.start))
 
-    def _requeue(self, key: Key, entry: _Entry) -> None:
-        if self._is_candidate(key, entry):
-            self._queue(entry.klass).set(key, self.queue_key(entry))
+    def _drop_owner(self, owner: _Owner) -> None:
+        if owner.klass is not None:
+            self._oldest[owner.klass].discard(owner.key)
+            self._youngest[owner.klass].discard(owner.key)
+        self._owners.pop(owner.key, None)
 
-    def _route(self, key: Key, entry: _Entry, session) -> None:
-        """Entries reused by a second session (or request) move to the shared queue."""
-        if session == entry.session or entry.shared:
+    def _place(self, key: Key, entry: _Entry) -> None:
+        owner = self._owners[entry.owner]
+        owner.entries.set(key, (entry.t_last, -entry.start))
+        self._lru.set(key, entry.t_last)
+        self._requeue(owner)
+
+    def _requeue(self, owner: _Owner) -> None:
+        head = owner.entries.peek_entry()
+        if head is None:
+            klass = None
+        else:
+            klass = (owner.queue, owner.state, self._entries[head[2]].cost_bucket, owner.pace)
+        if owner.klass is not None and owner.klass != klass:
+            self._oldest[owner.klass].discard(owner.key)
+            self._youngest[owner.klass].discard(owner.key)
+        owner.klass = klass
+        if klass is None:
             return
-        candidate = self._is_candidate(key, entry)
-        self._queue(entry.klass).discard(key)
-        entry.shared, entry.klass = True, ("shared", entry.token_type)
-        if candidate:
-            self._queue(entry.klass).set(key, self.queue_key(entry))
+        oldest = self._oldest.get(klass)
+        if oldest is None:
+            oldest = self._oldest[klass] = LazyMinHeap()
+            self._youngest[klass] = LazyMinHeap()
+        t_head = head[0][0]
+        oldest.set(owner.key, t_head)
+        self._youngest[klass].set(owner.key, -t_head)
+
+    def _request_event(self, owner: _Owner, token_type: str, request: RequestInfo,
+                       admitted: int = 0) -> None:
+        """A session/request owner saw part of ``request``; its state becomes the type of
+        the deepest entry the request reached (events come root to leaf), with the size
+        class of the output it cached (generating a long output takes long)."""
+        if request.index != owner.request:
+            if owner.queue == "session" and owner.request >= 0:
+                self._session_returned(owner, request.time)
+            owner.request, owner.t_request = request.index, request.time
+            owner.out_blocks = 0
+        if token_type in OUTPUT_TYPES and self.config.output_size_classes:
+            owner.out_blocks += admitted
+            token_type = (token_type, min(owner.out_blocks.bit_length(), MAX_SIZE_CLASS))
+        if owner.state != token_type:
+            self._close(owner)
+            owner.state = token_type
+            self._requeue(owner)
+        self._open_session(owner)
 
     # ----- learning -------------------------------------------------------------
-    def _learn_reference(self, entry: _Entry, elapsed: float) -> None:
+    def _session_returned(self, owner: _Owner, now: float) -> None:
+        """Exact, uncensored sample: the gap between a session's requests."""
+        klass = (owner.queue, owner.state)
+        if owner.open:
+            self._close(owner)
+            if self.config.learning:
+                self._version += 1
+                gap = max(now - owner.t_request, 1e-3)
+                rate = self.config.session_rate
+                if rate > 0:
+                    mu = self.reuse_model(klass).mu
+                    owner.log_pace += rate * (math.log(gap) - mu - owner.log_pace)
+                    owner.pace = max(-3, min(3, round(owner.log_pace / PACE_STEP)))
+                self._observe_gap(klass, gap, True)
+        self._expire_sessions(now)
+
+    def _observe_gap(self, klass: tuple, gap: float | None, returned: bool) -> None:
+        """A session of ``klass`` returned after ``gap`` s (or ended: ``returned`` False)."""
+        rate = self.config.min_stat_rate
+        queue, state = klass
+        fine = self.stats(klass)
+        if isinstance(state, tuple):
+            base = self.stats((queue, state[0]))
+            if returned:
+                x = math.log(gap)
+                base.reuse_time.observe_log(x, rate)
+                fine.reuse_time.observe_log(x - base.reuse_time.mu, rate)
+            base.observe_outcome(returned, rate)
+        elif returned:
+            fine.reuse_time.observe(gap, rate)
+        fine.observe_outcome(returned, rate)
+
+    def _open_session(self, owner: _Owner) -> None:
+        if owner.queue != "session" or owner.open:
+            return
+        owner.open = True
+        self._open.setdefault((owner.queue, owner.state), OrderedDict())[owner.key] = owner
+
+    def _close(self, owner: _Owner) -> None:
+        if owner.open:
+            owner.open = False
+            self._open[(owner.queue, owner.state)].pop(owner.key, None)
+
+    def _expire_sessions(self, now: float) -> None:
+        """Sessions silent beyond their class's high quantile count as ended (rho -> 0)."""
+        for klass, waiting in self._open.items():
+            limit = self.reuse_model(klass).quantile(self.config.silence_quantile_z)
+            while waiting:
+                key, owner = next(iter(waiting.items()))
+                if now - owner.t_request <= limit:
+                    break
+                waiting.popitem(last=False)
+                owner.open = False
+                if self.config.learning:
+                    self._version += 1
+                    self._observe_gap(klass, None, False)
+
+    def _learn_reference(self, klass: tuple[str, str], elapsed: float) -> None:
         if not self.config.learning:
             return
-        stats = self.stats(entry.klass)
+        self._version += 1
+        stats = self.stats(klass)
         stats.reuse_time.observe(elapsed, self.config.min_stat_rate)
         stats.observe_outcome(True, self.config.min_stat_rate)
-        self._observe_position(entry.start, 1.0)
 
-    def _learn_eviction(self, entry: _Entry, now: float) -> None:
-        state, cfg = self.state, self.config
-        state.eviction_ew = state.eviction_ew * (1 - cfg.min_stat_rate) + 1.0
-        state.ghost_hit_ew *= 1 - cfg.min_stat_rate
-        if not cfg.learning:
+    def _learn_eviction(self, entry: _Entry, remaining: EntryInfo | None, now: float) -> None:
+        blocks = entry.n_blocks - (remaining.n_blocks if remaining is not None else 0)
+        self._cached_blocks -= blocks
+        state = self.state
+        if self._last_evict_t is None:
+            self._last_evict_t = now
+        dt, self._last_evict_t = now - self._last_evict_t, now
+        if not self.config.learning:
             return
         state.evictions += 1
-        rate = max(1.0 / state.evictions, cfg.min_stat_rate)
-        state.horizon_s += rate * (max(now - entry.t_last, 1e-3) - state.horizon_s)
-        self._scale_weights(entry.klass, -state.ghost_hit_rate)
+        keep = 1.0 - max(1.0 / state.evictions, self.config.horizon_rate)
+        state.evict_dt_ew = keep * state.evict_dt_ew + dt
+        state.evict_blocks_ew = keep * state.evict_blocks_ew + blocks
+        if state.evict_dt_ew > 0 and state.evict_blocks_ew > 0:
+            per_block = state.evict_dt_ew / state.evict_blocks_ew
+            state.horizon_s = max(self._cached_blocks + blocks, 1) * per_block
 
-    def _ghost_feedback(self, key: Key) -> None:
+    def _ghost_feedback(self, key: Key, t_return: float) -> None:
         ghost = self._ghosts.pop(key, None)
-        if ghost is None or not self.config.learning:
-            return
-        cfg = self.config
-        self.state.ghost_hit_ew += 1.0
-        self._scale_weights(ghost.klass, 1.0)
-        stats = self.stats(ghost.klass)
-        stats.reuse_time.observe(self._entries[key].t_last - ghost.t_last, cfg.min_stat_rate)
-        stats.observe_outcome(True, cfg.min_stat_rate)
-        self._observe_position(ghost.start, 1.0)
-
-    def _scale_weights(self, klass: tuple[str, str], direction: float) -> None:
-        factor = math.exp(self.config.weight_rate * direction)
-        low, high = self.config.weight_bounds
-        queue, token_type = klass
-        for table, name in ((self.state.queue_weight, queue), (self.state.type_weight, token_type)):
-            table[name] = table.get(name, 1.0) * factor
-            _normalise(table, low, high)
-
-    def _observe_position(self, start: int, reused: float) -> None:
-        x = math.log1p(start / self.config.position_scale_tokens)
-        self.state.position.observe(x, reused, self.config.min_stat_rate)
-
-    def _remember_ghost(self, key: Key, entry: _Entry) -> None:
-        self._ghosts.pop(key, None)
-        self._ghosts[key] = _Ghost(entry.klass, entry.t_last, entry.start)
+        if ghost is None or not self.config.learning or ghost.klass[0] == "session":
+            return  # session gaps are observed exactly at every request
+        self._learn_reference(ghost.klass, t_return - ghost.t_last)
 
     def _trim_ghosts(self) -> None:
         limit = max(self.config.min_ghosts, int(self.config.ghost_factor * len(self._entries)))
         while len(self._ghosts) > limit:
             _, ghost = self._ghosts.popitem(last=False)
-            if self.config.learning:
+            if self.config.learning and ghost.klass[0] != "session":
+                self._version += 1
                 self.stats(ghost.klass).observe_outcome(False, self.config.min_stat_rate)
-                self._observe_position(ghost.start, 0.0)
+        self._expire_duels(limit)
+
+    def _expire_duels(self, limit: int) -> None:
+        """Unresolved duels (neither candidate back) are dropped as ties once older than
+        ``duel_window`` residence times H; a short window would only resolve the duels
+        won by whichever candidate returns quickly and bias the judge towards LRU."""
+        if not self._duels:
+            return
+        window = self.config.duel_window * self.state.horizon_s
+        cap = limit * self.config.duel_cap_factor
+        now = self._last_evict_t
+        while self._duels:
+            duel_id, duel = next(iter(self._duels.items()))
+            if len(self._duels) <= cap and now - duel[4] <= window:
+                break
+            self._duels.popitem(last=False)
+            self._unlink_duel(duel_id, duel[0], duel[1])
+
+    # ----- the LRU expert: disagreements judged by Belady's rule on the pair ----
+    def _note_duel(self, key: Key, now: float) -> None:
+        """Called before ``key`` is trimmed: if the model and LRU disagreed, remember the
+        pair; whichever is referenced first should have stayed."""
+        if not self.config.use_lru_expert:
+            return
+        model, lru = self._proposals
+        self._proposals = (None, None)
+        if lru is None or model is None or lru == model or key not in (lru, model):
+            return
+        other = model if key == lru else lru
+        self._duel_ids += 1
+        ek, eo = self._entries[key], self._entries[other]
+        if self.config.duel_stake_blocks:
+            buckets = (ek.cost_bucket, eo.cost_bucket, ek.n_blocks, eo.n_blocks)
+        else:
+            buckets = (ek.cost_bucket, eo.cost_bucket, 1, 1)
+        self._duels[self._duel_ids] = (key, other, key == model, buckets, now)
+        for k in (key, other):
+            self._duels_of.setdefault(k, []).append(self._duel_ids)
+
+    def _referenced(self, key: Key, now: float) -> None:
+        ids = self._duels_of.pop(key, None)
+        if not ids:
+            return
+        for duel_id in ids:
+            duel = self._duels.pop(duel_id, None)
+            if duel is None:
+                continue
+            evicted, kept, model_evicted, buckets, _ = duel
+            other = kept if key == evicted else evicted
+            self._unlink_duel(duel_id, other, other)
+            # the one referenced first should have been kept; what was at stake is its
+            # recompute cost (the model's own objective: cost per block ** cost_power)
+            model_right = (key == kept) == model_evicted
+            first = int(key == kept)
+            stake = buckets[2 + first] * 2.0 ** (buckets[first] * self.config.cost_power)
+            self._score_model(model_right, stake)
+
+    def _unlink_duel(self, duel_id: int, a: Key, b: Key) -> None:
+        for k in {a, b}:
+            ids = self._duels_of.get(k)
+            if ids and duel_id in ids:
+                ids.remove(duel_id)
+                if not ids:
+                    del self._duels_of[k]
+
+    def _score_model(self, right: bool, stake: float = 1.0) -> None:
+        if not self.config.learning:
+            return
+        state = self.state
+        state.duels += 1
+        keep = 1.0 - max(1.0 / state.duels, self.config.expert_rate)
+        state.duel_win_ew = keep * state.duel_win_ew + stake * float(right)
+        state.duel_weight_ew = keep * state.duel_weight_ew + stake
+        state.model_win_rate = state.duel_win_ew / state.duel_weight_ew
 
 
-def _normalise(weights: dict[str, float], low: float, high: float) -> None:
-    """Keep the geometric mean at 1: weights are relative, the horizon sets the scale."""
-    log_mean = sum(math.log(w) for w in weights.values()) / len(weights)
-    for name, weight in weights.items():
-        weights[name] = min(max(weight / math.exp(log_mean), low), high)
-
-
-def _session_of(request: RequestInfo):
+def _requester(request: RequestInfo):
     """Known sessions are ints; unknown ones become per-request tokens."""
     return request.session if request.session is not None else ("request", request.index)
+
+
+@register
+class SAEModelPolicy(SAEPolicy):
+    """SAE's model alone, without the LRU expert (ablation, ``sae-model`` in the CLI)."""
+
+    name = "sae-model"
+
+    def __init__(self, config: SAEConfig | None = None, state: SAEState | None = None) -> None:
+        super().__init__(config or replace(SAEConfig(), use_lru_expert=False), state)

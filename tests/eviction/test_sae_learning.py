@@ -5,61 +5,116 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import pytest
+
+from eval.trace_sim.synthetic import SyntheticSpec, WorkloadMix, generate
+from eval.trace_sim.testing import run
 from sglang_ext.eviction import EntryInfo, RequestInfo, SAEConfig, SAEPolicy
 
 
-def _info(token_type: str, start: int = 0) -> EntryInfo:
-    return EntryInfo(n_blocks=1, n_tokens=64, start_token=start, token_type=token_type)
+def _info(token_type: str, start: int = 0, blocks: int = 1, cost: float = 0.0) -> EntryInfo:
+    return EntryInfo(n_blocks=blocks, n_tokens=64 * blocks, start_token=start,
+                     token_type=token_type, compute_cost=cost)
 
 
-def _req(i: int, t: float, session: int = 1) -> RequestInfo:
+def _req(i: int, t: float, session: int | None = 1) -> RequestInfo:
     return RequestInfo(index=i, time=t, prompt_tokens=64, session=session)
 
 
-def _evict_and_maybe_return(policy: SAEPolicy, returning_type: str, rounds: int = 30) -> None:
-    """Each round admits one entry per type and evicts it 10 s later; only the
-    ``returning_type`` one is re-referenced, 5-11 s after its eviction (a ghost hit)."""
-    t = 0.0
-    for r in range(rounds):
-        for token_type in ("tool_output", "user"):
-            key = (token_type, r)
-            policy.admit(key, _info(token_type), _req(r, t))
-            policy.set_evictable(key, True)
-            policy.evicted(key, None, t + 10.0)
-        back = t + 10.0 + 5.0 + r % 7
-        key = (returning_type, r)
-        policy.admit(key, _info(returning_type), _req(r, back))  # ghost hit
+def _session_turns(policy: SAEPolicy, session: int, out_type: str, gap: float, turns: int,
+                   t0: float = 0.0, index0: int = 0) -> float:
+    """One session: each request admits one input and one output entry; the next request
+    comes ``gap`` seconds later. Returns the time of the last request."""
+    t = t0
+    for k in range(turns):
+        t = t0 + k * gap
+        policy.admit((session, k, "in"), _info("user", 2 * k), _req(index0 + k, t, session))
+        policy.admit((session, k, "out"), _info(out_type, 2 * k + 1), _req(index0 + k, t, session))
+    return t
+
+
+def test_session_gaps_fit_the_class_of_the_last_output():
+    policy = SAEPolicy()
+    _session_turns(policy, 1, "tool_call", gap=5.0, turns=50)
+    _session_turns(policy, 2, "response", gap=300.0, turns=50, index0=1000)
+    tool = policy.reuse_model(("session", ("tool_call", 1)))
+    response = policy.reuse_model(("session", ("response", 1)))
+    assert math.exp(tool.mu) == pytest.approx(5.0, rel=0.05)
+    assert math.exp(response.mu) == pytest.approx(300.0, rel=0.05)
+    assert tool.sigma == tool.min_sigma  # exact gaps: the floor regularises the fit
+
+
+def test_size_classes_follow_a_shift_of_their_type():
+    policy = SAEPolicy()
+    _session_turns(policy, 1, "tool_call", gap=5.0, turns=50)  # size class 1
+    offset = policy.stats(("session", ("tool_call", 1))).reuse_time.mu
+    # the type's gap moves to 200 s, seen only through a different size class
+    for k in range(300):
+        t = 1e4 + 200.0 * k
+        policy.admit((2, k), _info("tool_call", k, blocks=5), _req(5000 + k, t, session=2))
+    assert policy.stats(("session", ("tool_call", 1))).reuse_time.mu == offset  # no new samples
+    assert math.exp(policy.reuse_model(("session", ("tool_call", 1))).mu) > 50.0  # but it moved
+
+
+def test_output_size_classes_can_be_switched_off():
+    policy = SAEPolicy(replace(SAEConfig(), output_size_classes=False))
+    _session_turns(policy, 1, "tool_call", gap=5.0, turns=10)
+    assert ("session", "tool_call") in policy.state.classes
+
+
+def test_silent_sessions_lower_the_reuse_probability_of_their_class():
+    policy = SAEPolicy()
+    # many sessions end after one response; a long-lived one keeps sending requests
+    for s in range(40):
+        _session_turns(policy, 100 + s, "response", gap=10.0, turns=1, t0=10.0 * s,
+                       index0=10 * s)
+    _session_turns(policy, 1, "tool_call", gap=10.0, turns=500, index0=10_000)
+    ended = policy.stats(("session", ("response", 1))).reuse_prob
+    assert ended < 0.5 * SAEConfig().prior_reuse_prob
+
+
+def test_horizon_is_littles_law_residence_time():
+    policy = SAEPolicy()
+    for i in range(200):  # 100 cached blocks, one block evicted every 2 s -> ~200 s
+        policy.admit(i, _info("user"), _req(i, 2.0 * i, session=None))
+        policy.set_evictable(i, True)
+        if i >= 100:
+            policy.evicted(i - 100, None, 2.0 * i)
+    assert policy.state.horizon_s == pytest.approx(200.0, rel=0.05)
+
+
+def test_fast_returning_session_is_kept_over_a_slow_one():
+    policy = SAEPolicy()
+    _session_turns(policy, 1, "tool_call", gap=5.0, turns=30)
+    _session_turns(policy, 2, "response", gap=600.0, turns=30, index0=1000)
+    now = 20_000.0
+    # session 2 (slow: a user must answer) is more recent than session 1 (a tool is running)
+    policy.admit("tool-leaf", _info("tool_call"), _req(5000, now, session=1))
+    policy.admit("resp-leaf", _info("response"), _req(5001, now + 2.0, session=2))
+    for key in ("tool-leaf", "resp-leaf"):
         policy.set_evictable(key, True)
-        policy.evicted(key, None, back + 10.0)
-        t = back + 10.0
+    assert policy.victim(now + 3.0) == "resp-leaf"
 
 
-def test_reused_ghosts_raise_their_type_weight():
+def test_overdue_session_goes_before_a_fresh_one_of_the_same_class():
     policy = SAEPolicy()
-    _evict_and_maybe_return(policy, "tool_output")
-    weights = policy.state.type_weight
-    assert weights["tool_output"] > 1.0 > weights["user"]
-    other = SAEPolicy()
-    _evict_and_maybe_return(other, "user")
-    assert other.state.type_weight["user"] > other.state.type_weight["tool_output"]
+    _session_turns(policy, 1, "tool_call", gap=5.0, turns=100)
+    now = 10_000.0
+    policy.admit("overdue", _info("tool_call"), _req(5000, now, session=2))
+    policy.admit("fresh", _info("tool_call"), _req(5001, now + 120.0, session=3))
+    for key in ("overdue", "fresh"):
+        policy.set_evictable(key, True)
+    assert policy.victim(now + 121.0) == "overdue"  # 2 minutes late for a 5 s gap: ended
 
 
-def test_ghost_hits_raise_the_reuse_probability_of_their_class():
-    policy = SAEPolicy()
-    _evict_and_maybe_return(policy, "tool_output")
-    reused = policy.stats(("session", "tool_output")).reuse_prob
-    assert reused > SAEConfig().prior_reuse_prob
-
-
-def test_reuse_time_model_fits_observed_leaf_intervals():
-    policy = SAEPolicy()
-    policy.admit("k", _info("tool_call"), _req(0, 0.0))
-    policy.set_evictable("k", True)
-    for i in range(1, 200):
-        policy.touch("k", _info("tool_call"), _req(i, 5.0 * i))
-    model = policy.stats(("session", "tool_call")).reuse_time
-    assert math.exp(model.mu) == __import__("pytest").approx(5.0, rel=0.05)
-    assert math.sqrt(model.var) < 0.05 and model.sigma == model.min_sigma  # floored
+def test_cost_power_prefers_keeping_expensive_blocks():
+    config = replace(SAEConfig(), cost_power=1.0)
+    policy = SAEPolicy(config)
+    policy.admit("deep", _info("user", start=100_000, cost=8.0), _req(0, 0.0, session=1))
+    policy.admit("shallow", _info("user", start=0, cost=1.0), _req(1, 0.0, session=2))
+    for key in ("deep", "shallow"):
+        policy.set_evictable(key, True)
+    assert policy.victim(1.0) == "shallow"
 
 
 def test_entries_reused_by_a_second_session_move_to_the_shared_queue():
@@ -67,41 +122,70 @@ def test_entries_reused_by_a_second_session_move_to_the_shared_queue():
     policy.admit("p", _info("system"), _req(0, 0.0, session=1))
     policy.set_evictable("p", True)
     policy.touch("p", _info("system"), _req(1, 1.0, session=2))
-    assert policy._entries["p"].klass == ("shared", "system")
+    owner = policy._owners[policy._entries["p"].owner]
+    assert (owner.queue, owner.state) == ("shared", "system")
     assert policy.victim(2.0) == "p"
+
+
+def test_duels_score_the_model_by_which_candidate_returns_first():
+    policy = SAEPolicy(replace(SAEConfig(), use_lru_expert=True))
+    start = policy.state.model_win_rate
+    for r in range(20):  # the model evicts "m", LRU would have evicted "l"; "m" comes back first
+        policy._proposals = (("m", r), ("l", r))
+        for key in (("m", r), ("l", r)):
+            policy.admit(key, _info("user"), _req(2 * r, float(r), session=None))
+            policy.set_evictable(key, True)
+        policy.evicted(("m", r), None, r + 0.5)
+        policy.admit(("m", r), _info("user"), _req(2 * r + 1, r + 0.7, session=None))
+    assert policy.state.model_win_rate < start
+    policy._proposals = (policy._model_victim(100.0), policy._lru.peek())
+    if policy._proposals[0] != policy._proposals[1]:
+        assert policy.victim(100.0) == policy._lru.peek()  # losing model: LRU decides
 
 
 def test_learning_off_keeps_every_parameter():
     policy = SAEPolicy(replace(SAEConfig(), learning=False))
     before = policy.state.snapshot()
-    _evict_and_maybe_return(policy, "tool_output")
-    assert policy.state.type_weight == before.type_weight
-    assert policy.state.classes == before.classes
-    assert policy.state.horizon_s == before.horizon_s
-
-
-def test_low_value_class_is_evicted_before_an_older_high_value_one():
-    # few ghosts: unreturned "user" ghosts expire and count as "not reused"
-    policy = SAEPolicy(replace(SAEConfig(), min_ghosts=8, ghost_factor=0.0))
-    _evict_and_maybe_return(policy, "tool_output", rounds=60)
-    assert policy.stats(("session", "user")).reuse_prob < 0.2
-    now = 10_000.0
-    policy.admit("old-tool", _info("tool_output"), _req(100, now))
-    policy.admit("new-user", _info("user"), _req(101, now + 1.0))
-    for key in ("old-tool", "new-user"):
-        policy.set_evictable(key, True)
-    assert policy.victim(now + 2.0) == "new-user"
-    lru_like = SAEPolicy()  # without feedback both classes look alike: the older goes
-    lru_like.admit("old-tool", _info("tool_output"), _req(100, now))
-    lru_like.admit("new-user", _info("user"), _req(101, now + 1.0))
-    for key in ("old-tool", "new-user"):
-        lru_like.set_evictable(key, True)
-    assert lru_like.victim(now + 2.0) == "old-tool"
+    _session_turns(policy, 1, "tool_call", gap=5.0, turns=30)
+    for i in range(30):
+        policy.set_evictable((1, i, "in"), True)
+        policy.evicted((1, i, "in"), None, 1000.0 + i)
+    for stats in policy.state.classes.values():  # priors only
+        assert stats.reuse_time.n == stats.outcomes == 0
+        assert stats.reuse_prob == SAEConfig().prior_reuse_prob
+    assert replace(policy.state, classes={}) == before
 
 
 def test_warm_start_copies_state_instead_of_sharing_it():
     source = SAEPolicy()
-    _evict_and_maybe_return(source, "tool_output")
+    _session_turns(source, 1, "tool_call", gap=5.0, turns=30)
     warm = SAEPolicy(state=source.state)
-    _evict_and_maybe_return(warm, "user")
-    assert source.state.type_weight["tool_output"] > source.state.type_weight["user"]
+    _session_turns(warm, 1, "tool_call", gap=50.0, turns=30, t0=1e4, index0=100)
+    klass = ("session", ("tool_call", 1))
+    assert math.exp(source.reuse_model(klass).mu) == pytest.approx(5.0, rel=0.05)
+    assert warm.reuse_model(klass).mu > source.reuse_model(klass).mu
+
+
+@pytest.mark.parametrize("overrides", [{}, {"use_lru_expert": True, "session_rate": 0.5,
+                                            "cost_power": 1.0}])
+def test_variants_are_deterministic_on_a_synthetic_trace(overrides):
+    mix = WorkloadMix(system_blocks=4, template_blocks=3, tool_output_blocks=3, n_templates=5)
+    trace = generate(SyntheticSpec(phases=((mix, 300.0),), arrival_rate=0.3, seed=5))
+    capacity = max(4, trace.n_blocks // 8)
+    config = replace(SAEConfig(), **overrides)
+    first = run(trace, SAEPolicy(config), capacity, check=True)
+    second = run(trace, SAEPolicy(config), capacity)
+    assert first.cached == second.cached
+    assert first.stats.hit_blocks == second.stats.hit_blocks
+    assert first.stats.evicted_blocks > 0
+
+
+def test_duel_outcomes_are_weighted_by_what_was_at_stake():
+    policy = SAEPolicy()
+    policy._score_model(True, stake=10.0)  # one expensive duel won ...
+    for _ in range(3):
+        policy._score_model(False, stake=1.0)  # ... outweighs three cheap ones lost
+    assert policy.state.model_win_rate > 0.5
+    frozen = SAEPolicy(replace(SAEConfig(), learning=False))
+    frozen._score_model(False, stake=10.0)
+    assert frozen.state.model_win_rate == 0.5
