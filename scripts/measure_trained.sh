@@ -5,21 +5,27 @@
 #   3. model card + loss plot                                           -> README.md, loss_curve.png
 #   4. quality retained under Tail-Replay (RULER, 4K / 8K, every configuration) and the LongBench
 #      path on a locally built LongBench-format set                    -> docs/results/<name>/
-# Usage: bash scripts/measure_trained.sh trained_models/gdn-ruler   (env: SAMPLES, Q_SAMPLES)
+# Usage: bash scripts/measure_trained.sh trained_models/gdn-ruler
+#   env: SAMPLES (per RULER cell), Q_SAMPLES, Q_TASKS, Q_LENGTHS (quality runs), STEPS (which of 1-4)
 set -euo pipefail
 MODEL=${1:?model folder}
 NAME=$(basename "$MODEL")
 SAMPLES=${SAMPLES:-5}
 Q_SAMPLES=${Q_SAMPLES:-4}
+Q_TASKS=${Q_TASKS:-niah_single_2,niah_multikey_1}
+Q_LENGTHS=${Q_LENGTHS:-4096,8192}
+STEPS=${STEPS:-1234}
 PY=${PY:-.venv/bin/python}
 OUT=runs/quality-$NAME
 RESULTS=docs/results/$NAME
 
-$PY -m sglang_ext.training.evaluate --model "$MODEL" --samples "$SAMPLES"
-$PY -m sglang_ext.training.decay --model "$MODEL" --samples 8
-$PY -m sglang_ext.training.card --model "$MODEL"
-$PY -m eval.quality run --benchmark ruler --model "$MODEL" --tasks niah_single_2,niah_multikey_1 \
-    --lengths 4096,8192 --samples "$Q_SAMPLES" --out "$OUT/ruler"
+step() { [[ $STEPS == *$1* ]]; }
+step 1 && $PY -m sglang_ext.training.evaluate --model "$MODEL" --samples "$SAMPLES"
+step 2 && $PY -m sglang_ext.training.decay --model "$MODEL" --samples 8
+step 3 && $PY -m sglang_ext.training.card --model "$MODEL"
+step 4 || exit 0
+$PY -m eval.quality run --benchmark ruler --model "$MODEL" --tasks "$Q_TASKS" \
+    --lengths "$Q_LENGTHS" --samples "$Q_SAMPLES" --out "$OUT/ruler"
 $PY -m eval.quality make-longbench --out "$OUT/longbench-data" --words 1500 --samples "$Q_SAMPLES"
 $PY -m eval.quality run --benchmark longbench --model "$MODEL" --datasets hotpotqa,multifieldqa_en \
     --source "$OUT/longbench-data" --configs full,stock,tr-5,tr-10,tr-5-recompute,tr-10-recompute \

@@ -19,6 +19,8 @@ TAIL_REPLAY_CONFIG_VAR = "SGLANG_EXT_TAIL_REPLAY_CONFIG"
 SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
 #: Read by SGLang itself: dtype of the linear layers' conv-window state (its default: bfloat16).
 SGLANG_MAMBA_CONV_DTYPE_VAR = "SGLANG_MAMBA_CONV_DTYPE"
+#: Read by HF tokenizers: its own thread pool, which must be off in forked data-loader workers.
+TOKENIZERS_PARALLELISM_VAR = "TOKENIZERS_PARALLELISM"
 
 
 @dataclass(frozen=True)
@@ -56,3 +58,8 @@ def export_patch_mode(mode: str) -> None:
     os.environ[PATCH_MODE_VAR] = mode
     if mode == "cpu":
         os.environ[SGLANG_CPU_ENGINE_VAR] = "1"
+
+
+def export_tokenizers_single_threaded() -> None:
+    """Before forking data-loader workers: HF tokenizers' thread pool does not survive a fork."""
+    os.environ.setdefault(TOKENIZERS_PARALLELISM_VAR, "false")

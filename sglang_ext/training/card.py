@@ -3,7 +3,8 @@
     python -m sglang_ext.training.card --model trained_models/gdn-ruler
 
 Reads what training and evaluation wrote into the folder (training_summary.json,
-loss_log.jsonl, ruler_scores.json, decay.json) and writes loss_curve.png and README.md.
+loss_log.jsonl, ruler_scores.json, decay.json; NOTES.md if present) and writes loss_curve.png
+and README.md.
 Every measured figure (training, scores, decay, sizes) is read from those files, and a missing
 one is an error naming it; `ARCH_TEXT` is the prose description of `arch.py`'s two configs.
 """
@@ -29,6 +30,10 @@ ARCH_TEXT = {
               "attention layers + 6 relu2 MLPs (768), hidden 256, Mamba-2 8 heads of 64, state 64, 1 group, "
               "conv 4, chunk 128; 4 query / 2 KV attention heads of 64.",
 }
+
+
+#: optional hand-written notes (how the run went), appended to the card as they are
+NOTES_FILE = "NOTES.md"
 
 
 def _read(folder: Path, name: str):
@@ -82,15 +87,39 @@ def parameter_count(weights: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
-def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: float, params: int) -> str:
+def training_command(name: str, summary: dict) -> str:
+    """The command that reproduces the run, as recorded in training_summary.json."""
+    cfg, arch = summary["train_config"], summary["arch"]
+    fit = summary.get("fit")
+    if summary.get("device", "cpu") == "cpu":
+        return (f"python -m sglang_ext.training.train --arch {arch} --run-dir runs/train-{arch} "
+                f"--export trained_models/{name} --tokens {cfg['tokens']}")
+    budget = f"--fit-minutes {fit['minutes']:g}" if fit else f"--tokens {cfg['tokens']}"
+    return (f"python -m sglang_ext.training.train --arch {arch} --device cuda --workers 4 --run-dir runs/gpu-{arch} "
+            f"--export trained_models/{name} {budget} --tokens-per-step {cfg['tokens_per_step']} "
+            f"--warmup-steps {cfg['warmup_steps']} --export-unfinished")
+
+
+def hardware_text(summary: dict) -> str:
+    device = summary.get("device", "cpu")
+    if device == "cpu":
+        return "fp32 on the 2-core CPU machine"
+    return f"bf16 autocast with fp32 weights and optimizer on one {device}"
+
+
+def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: float, params: int,
+              longest: int) -> str:
     cfg = summary["train_config"]
     hours = summary["train_seconds"] / 3600
-    curriculum = "; ".join(f"up to {int(end * 100)}% of tokens: lengths {', '.join(map(str, ls))}, dense-recall weight {w:g}"
+    curriculum = "; ".join(f"up to {int(end * 100)}% of the steps: lengths {', '.join(map(str, ls))}, dense-recall weight {w:g}"
                            for end, ls, w in CURRICULUM)
+    fit = summary.get("fit")
+    fit_text = (f" The token budget was chosen by `--fit-minutes {fit['minutes']:g}` (forward + backward timed at each "
+                f"stage's longest length first), for a run of about {fit['minutes']:g} minutes." if fit else "")
     return f"""# {name}
 
-A small {summary['arch'].upper()} hybrid trained from scratch on this project's 2-core CPU, for measuring
-what Tail-Replay keeps of a model's long-context retrieval. Not a general-purpose language model.
+A small {summary['arch'].upper()} hybrid trained from scratch by this project ({hardware_text(summary)}), for
+measuring what Tail-Replay keeps of a model's long-context retrieval. Not a general-purpose language model.
 
 **Status:** {target_status(scores)}
 
@@ -106,17 +135,17 @@ Samples are RULER prompts (its templates and answer prefixes) generated offline 
 `sglang_ext/training/tasks.py`, with a regex sentence splitter instead of nltk. Training tasks and
 weights: {', '.join(f'{t} {w:g}' for t, w in TASK_WEIGHTS.items())}, plus `dense_recall` (training only: many
 needles, then many RULER-worded questions, each answered; weight per stage below). Never trained on:
-{', '.join(tasks.HELD_OUT_TASKS)} (held-out variants), and no training sequence is longer than ~4.2K
-tokens (8K is a held-out length). Curriculum: {curriculum}. Loss: next-token loss on all tokens
+{', '.join(tasks.HELD_OUT_TASKS)} (held-out variants); the longest training sequence had {longest:,} tokens
+(longer evaluation lengths are held out). Curriculum: {curriculum}. Loss: next-token loss on all tokens
 plus next-token loss on the answer tokens.
 
 ## Training
-`python -m sglang_ext.training.train --arch {summary['arch']} --run-dir runs/train-{summary['arch']} --export trained_models/{name} --tokens {cfg['tokens']}`
+`{training_command(name, summary)}`
 (seed {cfg['seed']}, AdamW lr {cfg['lr']:g} warmup {cfg['warmup_steps']} steps then cosine to 10%,
-{cfg['tokens_per_step']} tokens per step, weight decay {cfg['weight_decay']}, grad clip 1.0, fp32 on the CPU).
+{cfg['tokens_per_step']} tokens per step, weight decay {cfg['weight_decay']}, grad clip 1.0, {hardware_text(summary)}).{fit_text}
 Steps: {summary['steps']}; tokens seen: {summary['tokens_seen']:,} of a {cfg['tokens']:,}-token schedule
 ({'finished' if summary.get('finished', True) else 'stopped early by the time cap (`--max-minutes`, `--export-unfinished`); the schedule was not completed'});
-training time: {hours:.2f} h of wall time on the 2-core CPU machine (sum over resumed runs).
+training time: {hours * 60:.1f} min of step time (sum over resumed runs).
 
 ![loss](loss_curve.png)
 
@@ -142,7 +171,12 @@ def write_card(folder: Path) -> Path:
     loss_plot(rows, folder / "loss_curve.png")
     size_mb = (folder / "model.safetensors").stat().st_size / 1e6
     params = parameter_count(folder / "model.safetensors")
-    text = card_text(folder.name, summary, _read(folder, "ruler_scores.json"), _read(folder, "decay.json"), size_mb, params)
+    longest = max(r["seq_len"] for r in rows)
+    text = card_text(folder.name, summary, _read(folder, "ruler_scores.json"), _read(folder, "decay.json"), size_mb,
+                     params, longest)
+    notes = folder / NOTES_FILE
+    if notes.exists():
+        text += "\n## Notes from the trainer\n" + notes.read_text()
     (folder / "README.md").write_text(text)
     return folder / "README.md"
 

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from sglang_ext.training import tasks
-from sglang_ext.training.train import Run, TrainConfig, batch_at, export, lengths_at, stage_at
+from sglang_ext.training.train import Run, TrainConfig, batch_at, batches_from, export, lengths_at, stage_at
 
 CFG = TrainConfig(arch="mamba2", tokens=1200, tokens_per_step=512, warmup_steps=2)
 
 
-def _steps(run: Run, n: int) -> None:
-    counter = tasks.TokenCounter(run.tokenizer)
+def _steps(run: Run, n: int, workers: int = 0) -> None:
+    batches = batches_from(run, workers)
     for _ in range(n):
-        run.train_step(counter, total_steps=4)
+        run.train_step(next(batches))
 
 
 def test_batches_depend_only_on_seed_and_step(tmp_path):
@@ -39,7 +39,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     straight = Run(CFG, tmp_path / "a")
     _steps(straight, 2)
     first = Run(CFG, tmp_path / "b")
-    _steps(first, 1)
+    _steps(first, 1, workers=1)   # batches built in a data-loader process: the same data
     first.save()
     resumed = Run(CFG, tmp_path / "b")
     assert resumed.step == 1
@@ -66,3 +66,21 @@ def test_export_is_a_bf16_hf_folder_transformers_loads(tmp_path):
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["time_step_min"] == 0.0 and config["hybrid_override_pattern"]
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == run.eos
+
+
+def test_fit_tokens_sizes_the_budget_from_timed_passes():
+    from sglang_ext.training.train import fit_tokens
+
+    curriculum = ((0.25, (32, 64), 1.0), (1.0, (128,), 1.0))
+    cfg = TrainConfig(arch="mamba2", tokens_per_step=256)
+    tokens, seconds_per_token = fit_tokens(cfg, minutes=1.0, device="cpu", passes=1, curriculum=curriculum)
+    assert list(seconds_per_token) == ["0.00-0.25:64", "0.25-1.00:128"]
+    assert all(s > 0 for s in seconds_per_token.values())
+    ends = [0.0] + [stage[0] for stage in curriculum]
+    per_token = sum((b - a) * s for a, b, s in zip(ends, ends[1:], seconds_per_token.values()))
+    assert tokens == int(60 / per_token)
+
+
+def test_progress_is_counted_in_steps():
+    cfg = TrainConfig(arch="mamba2", tokens=1000, tokens_per_step=300)
+    assert cfg.total_steps == 4   # the last, partial step is taken
