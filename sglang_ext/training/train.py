@@ -123,6 +123,11 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def autocast_on(device: torch.device):
+    """bf16 autocast on a GPU (weights and optimizer stay fp32); nothing on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
 class Run:
     """Model, optimizer and counters of one training run, saved to / resumed from run_dir."""
 
@@ -167,19 +172,13 @@ class Run:
     def done(self) -> bool:
         return self.step >= self.cfg.total_steps
 
-    def autocast(self):
-        """bf16 autocast on a GPU (weights and optimizer stay fp32); nothing on the CPU."""
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return nullcontext()
-
     def train_step(self, batch: tuple[torch.Tensor, ...]) -> dict:
         """One optimizer step on `batch` (the batch of step `self.step`, see `StepBatches`)."""
         ids, answer_mask, valid = (t.to(self.device, non_blocking=True) for t in batch)
         lr = lr_at(self.step, self.cfg.total_steps, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        with self.autocast():
+        with autocast_on(self.device):
             lm, answer = loss_terms(self.model, ids, answer_mask, valid)
         (lm + self.cfg.answer_loss_weight * answer).backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -224,7 +223,6 @@ def fit_tokens(cfg: TrainConfig, minutes: float, device: str, passes: int = 3,
     eos = tokenizer.token_to_id(EOS_TOKEN)
     model = build_model(cfg.arch, VOCAB_SIZE, SpecialIds(eos, eos), cfg.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
     seconds_per_token, start = {}, 0.0
     for end, lengths, _ in curriculum:
         length = max(lengths)
@@ -234,7 +232,7 @@ def fit_tokens(cfg: TrainConfig, minutes: float, device: str, passes: int = 3,
         for _ in range(passes + 1):
             _sync(device)
             t0 = time.time()
-            with autocast:
+            with autocast_on(torch.device(device)):
                 lm, answer = loss_terms(model, ids, mask, mask)
             (lm + answer).backward()
             optimizer.step()
@@ -328,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--export-unfinished", action="store_true",
                         help="export at stop even before the token budget is reached (the card says how far)")
     args = parser.parse_args(argv)
+    for flag in ("tokens", "tokens_per_step", "fit_minutes", "max_minutes"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.workers < 0:
+        parser.error(f"--workers must be >= 0, got {args.workers}")
     cfg = TrainConfig(arch=args.arch, seed=args.seed, tokens=args.tokens, lr=args.lr,
                       tokens_per_step=args.tokens_per_step, warmup_steps=args.warmup_steps)
     if args.fit_minutes is not None:

@@ -84,3 +84,13 @@ def test_fit_tokens_sizes_the_budget_from_timed_passes():
 def test_progress_is_counted_in_steps():
     cfg = TrainConfig(arch="mamba2", tokens=1000, tokens_per_step=300)
     assert cfg.total_steps == 4   # the last, partial step is taken
+
+
+@pytest.mark.parametrize("flags", [["--tokens-per-step", "0"], ["--fit-minutes", "-1"], ["--workers", "-2"]])
+def test_bad_numeric_flags_are_refused_by_name(flags, tmp_path, capsys):
+    from sglang_ext.training.train import main
+
+    with pytest.raises(SystemExit):
+        main(["--arch", "mamba2", "--run-dir", str(tmp_path / "r"), *flags])
+    assert flags[0] in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()   # nothing was started or written
