@@ -58,11 +58,14 @@ class SAEConfig:
     min_ghosts: int = 256
     use_lru_expert: bool = True  # follow LRU while the model loses the pairwise duels
     duel_stake_blocks: bool = True  # weigh a duel by the blocks of the entry referenced first
+    duel_cost_power: float | None = None  # ... times cost per block ** this (None: cost_power)
     duel_window: float = math.inf  # unresolved duels expire after this many residence times H
     duel_cap_factor: int = 1  # ... or beyond this many per ghost slot (FIFO)
     horizon_scale: float = 1.0  # H multiplier (ablation only; 1 = Little's law residence time)
     session_rate: float = 0.0  # >0: per-session shift of the class's log gap (ablation)
     output_size_classes: bool = True  # split output states by log2 of the cached output size
+    late_returns: bool = True  # a session that returns after being declared ended is learned:
+    #                            its gap enters the fit and its "ended" outcome is revoked
 
 
 @dataclass
@@ -156,7 +159,7 @@ class _Owner:
     """A session (or request, or shared entry) and its evictable entries."""
 
     __slots__ = ("key", "queue", "state", "t_request", "request", "entries", "klass", "open",
-                 "n_entries", "log_pace", "pace", "out_blocks")
+                 "n_entries", "log_pace", "pace", "out_blocks", "ended")
 
     def __init__(self, key, queue: str, state: str, now: float, request: int) -> None:
         self.key, self.queue, self.state = key, queue, state
@@ -167,6 +170,7 @@ class _Owner:
         self.n_entries = 0  # cached entries it owns (evictable or not)
         self.log_pace, self.pace = 0.0, 0  # running log(own gap / class median), its bucket
         self.out_blocks = 0  # output blocks cached by its current request
+        self.ended = False  # declared ended (silent past its class's quantile), not back yet
 
 
 @dataclass(frozen=True)
@@ -419,7 +423,9 @@ class SAEPolicy(EvictionPolicy):
     def _session_returned(self, owner: _Owner, now: float) -> None:
         """Exact, uncensored sample: the gap between a session's requests."""
         klass = (owner.queue, owner.state)
-        if owner.open:
+        late = owner.ended and self.config.late_returns
+        owner.ended = False
+        if owner.open or late:
             self._close(owner)
             if self.config.learning:
                 self._version += 1
@@ -429,6 +435,8 @@ class SAEPolicy(EvictionPolicy):
                     mu = self.reuse_model(klass).mu
                     owner.log_pace += rate * (math.log(gap) - mu - owner.log_pace)
                     owner.pace = max(-3, min(3, round(owner.log_pace / PACE_STEP)))
+                if late:
+                    self._revoke_ended(klass)
                 self._observe_gap(klass, gap, True)
         self._expire_sessions(now)
 
@@ -447,6 +455,22 @@ class SAEPolicy(EvictionPolicy):
         elif returned:
             fine.reuse_time.observe(gap, rate)
         fine.observe_outcome(returned, rate)
+
+    def _revoke_ended(self, klass: tuple) -> None:
+        """A session declared ended came back: its 0 outcome was wrong. Without this, the
+        gaps beyond the silence quantile are never observed (they are censored by the
+        verdict itself), so the fit keeps a too-thin tail and a too-low rho, and the
+        sessions that take longest (a long tool run, a sub-agent) are evicted as "ended".
+        The 0 is taken back by the step it moved rho; ``_observe_gap`` then counts the 1."""
+        rate = self.config.min_stat_rate
+        queue, state = klass
+        revoked = [self.stats(klass)]
+        if isinstance(state, tuple):
+            revoked.append(self.stats((queue, state[0])))
+        for stats in revoked:
+            step = max(1.0 / (stats.outcomes + 1), rate)
+            stats.reuse_prob = min(stats.reuse_prob / (1.0 - step), 1.0) if step < 1.0 else 1.0
+            stats.outcomes = max(stats.outcomes - 1, 0)
 
     def _open_session(self, owner: _Owner) -> None:
         if owner.queue != "session" or owner.open:
@@ -469,6 +493,7 @@ class SAEPolicy(EvictionPolicy):
                     break
                 waiting.popitem(last=False)
                 owner.open = False
+                owner.ended = True
                 if self.config.learning:
                     self._version += 1
                     self._observe_gap(klass, None, False)
@@ -565,7 +590,9 @@ class SAEPolicy(EvictionPolicy):
             # recompute cost (the model's own objective: cost per block ** cost_power)
             model_right = (key == kept) == model_evicted
             first = int(key == kept)
-            stake = buckets[2 + first] * 2.0 ** (buckets[first] * self.config.cost_power)
+            power = self.config.duel_cost_power
+            power = self.config.cost_power if power is None else power
+            stake = buckets[2 + first] * 2.0 ** (buckets[first] * power)
             self._score_model(model_right, stake)
 
     def _unlink_duel(self, duel_id: int, a: Key, b: Key) -> None:

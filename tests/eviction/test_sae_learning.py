@@ -189,3 +189,50 @@ def test_duel_outcomes_are_weighted_by_what_was_at_stake():
     frozen = SAEPolicy(replace(SAEConfig(), learning=False))
     frozen._score_model(False, stake=10.0)
     assert frozen.state.model_win_rate == 0.5
+
+
+def _late_return_run(late_returns: bool) -> SAEPolicy:
+    """Sessions of a 5 s tool-call class; ten of them stay silent for 300 s (far past the
+    class's 99th percentile, so they are declared ended) and then come back."""
+    policy = SAEPolicy(replace(SAEConfig(), late_returns=late_returns))
+    _session_turns(policy, 1, "tool_call", gap=5.0, turns=20)  # t = 0..95
+    for i in range(10):
+        policy.admit(("slow", i, 0), _info("tool_call"), _req(1000 + i, 100.0 + i, session=100 + i))
+    _session_turns(policy, 2, "tool_call", gap=5.0, turns=60, t0=100.0, index0=2000)  # to t = 395
+    for i in range(10):
+        policy.admit(("slow", i, 1), _info("user", 1), _req(3000 + i, 400.0 + i, session=100 + i))
+    return policy
+
+
+def test_sessions_declared_ended_that_come_back_are_learned():
+    klass = ("session", ("tool_call", 1))
+    learned, censored = _late_return_run(True), _late_return_run(False)
+    # the ten "ended" verdicts lowered rho; only the learning run takes them back ...
+    assert censored.stats(klass).reuse_prob < 0.9 < learned.stats(klass).reuse_prob
+    # ... and sees the long gaps (without it they are censored by the verdict itself)
+    assert learned.reuse_model(klass).mu > censored.reuse_model(klass).mu + 0.5
+    assert learned.reuse_model(klass).sigma > censored.reuse_model(klass).sigma
+
+
+def _duel(policy: SAEPolicy, r: int, cost: float, model_right: bool) -> None:
+    """The model evicts ("m", r), LRU would have evicted ("l", r); both cost ``cost``."""
+    m, l = ("m", r), ("l", r)
+    for j, key in enumerate((m, l)):
+        policy.admit(key, _info("user", cost=cost), _req(10 * r + j, 10.0 * r, session=None))
+        policy.set_evictable(key, True)
+    policy._proposals = (m, l)
+    policy.evicted(m, None, 10.0 * r + 1)
+    if model_right:
+        policy.touch(l, _info("user", cost=cost), _req(10 * r + 5, 10.0 * r + 2, session=None))
+    else:
+        policy.admit(m, _info("user", cost=cost), _req(10 * r + 5, 10.0 * r + 2, session=None))
+
+
+@pytest.mark.parametrize("duel_cost_power, model_ahead", [(None, True), (0.0, False)])
+def test_duel_cost_power_sets_what_the_judge_counts(duel_cost_power, model_ahead):
+    policy = SAEPolicy(replace(SAEConfig(), duel_cost_power=duel_cost_power))
+    _duel(policy, 0, cost=1024.0, model_right=True)  # one expensive block kept rightly
+    for r in range(1, 4):
+        _duel(policy, r, cost=1.0, model_right=False)  # three cheap blocks lost
+    # cost-weighted (cost_power 0.5): 32 vs 3 for the model; blocks only: 1 vs 3
+    assert (policy.state.model_win_rate > 0.5) == model_ahead
