@@ -6,7 +6,8 @@ Each module in this package patches one SGLang seam and names the file it target
 - mode "cpu": the CPU patch set (stand-in `sgl_kernel` CPU ops, driverless-CUDA-torch fixes,
   torch fallbacks for Triton-only paths, O(new x context) extend attention), then the
   extension's own seams;
-- mode "gpu": only the extension's own seams; SGLang's fast paths stay untouched.
+- mode "gpu": only the extension's own seams and the request check (`request_token_ids`);
+  SGLang's fast paths stay untouched.
 
 Applying twice is a no-op. Spawned SGLang children re-apply via `sglang_ext.env`'s
 `SGLANG_EXT_PATCH_MODE` (see `sglang_ext.bootstrap`).
@@ -34,7 +35,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_nemotron_h_router",
 )
 #: Applied in both modes (the extension's own seams).
-EXT_PATCHES: tuple[str, ...] = ("tail_replay_kv", "tail_replay_sizing", "tail_replay_pages")
+EXT_PATCHES: tuple[str, ...] = ("tail_replay_kv", "tail_replay_sizing", "tail_replay_pages", "request_token_ids")
 
 _applied: list[str] = []
 

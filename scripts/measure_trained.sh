@@ -6,7 +6,8 @@
 #   4. quality retained under Tail-Replay (RULER, 4K / 8K, every configuration) and the LongBench
 #      path on a locally built LongBench-format set                    -> docs/results/<name>/
 # Usage: bash scripts/measure_trained.sh trained_models/gdn-ruler
-#   env: SAMPLES (per RULER cell), Q_SAMPLES, Q_TASKS, Q_LENGTHS (quality runs), STEPS (which of 1-4)
+#   env: SAMPLES (per RULER cell), Q_SAMPLES, Q_TASKS, Q_LENGTHS, Q_CONFIGS, LB_CONFIGS (quality runs),
+#        STEPS (which of 1-4)
 set -euo pipefail
 MODEL=${1:?model folder}
 NAME=$(basename "$MODEL")
@@ -14,6 +15,10 @@ SAMPLES=${SAMPLES:-5}
 Q_SAMPLES=${Q_SAMPLES:-4}
 Q_TASKS=${Q_TASKS:-niah_single_2,niah_multikey_1}
 Q_LENGTHS=${Q_LENGTHS:-4096,8192}
+# every default configuration, plus tr-0 (no replay: the linear layers start from a zero state,
+# the negative control) and tr-0.5 (below the defaults)
+Q_CONFIGS=${Q_CONFIGS:-full,stock,tr-0,tr-0.5,tr-2.5,tr-5,tr-10,tr-20,tr-2.5-recompute,tr-5-recompute,tr-10-recompute,tr-20-recompute}
+LB_CONFIGS=${LB_CONFIGS:-full,stock,tr-0,tr-2.5,tr-5,tr-10,tr-20,tr-50,tr-5-recompute,tr-10-recompute}
 STEPS=${STEPS:-1234}
 PY=${PY:-.venv/bin/python}
 OUT=runs/quality-$NAME
@@ -25,10 +30,10 @@ step 2 && $PY -m sglang_ext.training.decay --model "$MODEL" --samples 8
 step 3 && $PY -m sglang_ext.training.card --model "$MODEL"
 step 4 || exit 0
 $PY -m eval.quality run --benchmark ruler --model "$MODEL" --tasks "$Q_TASKS" \
-    --lengths "$Q_LENGTHS" --samples "$Q_SAMPLES" --out "$OUT/ruler"
+    --lengths "$Q_LENGTHS" --configs "$Q_CONFIGS" --samples "$Q_SAMPLES" --out "$OUT/ruler"
 $PY -m eval.quality make-longbench --out "$OUT/longbench-data" --words 1500 --samples "$Q_SAMPLES"
 $PY -m eval.quality run --benchmark longbench --model "$MODEL" --datasets hotpotqa,multifieldqa_en \
-    --source "$OUT/longbench-data" --configs full,stock,tr-5,tr-10,tr-5-recompute,tr-10-recompute \
+    --source "$OUT/longbench-data" --configs "$LB_CONFIGS" \
     --samples "$Q_SAMPLES" --out "$OUT/longbench"
 mkdir -p "$RESULTS"
 for b in ruler longbench; do

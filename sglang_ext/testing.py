@@ -6,11 +6,13 @@ The server runs in its own process group on a free port; `stop()` ends the whole
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +117,24 @@ def start_servers(servers: list[ServerProcess], timeout_s: float = STARTUP_TIMEO
         stop_servers(servers)
         raise
     return servers
+
+
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """Inside: SIGTERM raises SystemExit(143), so `finally` blocks stop the servers a command
+    started instead of orphaning them (`kill PID`; background jobs of a script ignore SIGINT)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def stop_servers(servers: list[ServerProcess]) -> None:

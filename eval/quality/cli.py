@@ -23,7 +23,7 @@ def _add_run(sub) -> None:
     p.add_argument("--launch-args", default=DEFAULT_LAUNCH_ARGS, help="extra `sglang-ext serve` args when launching")
     p.add_argument("--stock-url", help="a running server with SGLang's own radix cache")
     p.add_argument("--tail-replay-url", help="a running server with --radix-cache-backend tail_replay")
-    p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS), help=f"from {list(cfgs.CONFIGS)}")
+    p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS), help=f"comma-separated: {cfgs.NAME_HELP}")
     p.add_argument("--samples", type=int, default=10, help="samples per task/dataset (and length)")
     p.add_argument("--tasks", default="niah_single_2,niah_multikey_1,vt", help="RULER tasks")
     p.add_argument("--lengths", default="4096,8192", help="RULER lengths (tokens)")

@@ -3,6 +3,7 @@ and the Tail-Replay per-request overrides."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 STOCK, TAIL_REPLAY = "stock", "tail_replay"
@@ -42,14 +43,30 @@ CONFIGS: dict[str, EvalConfig] = {
 }
 DEFAULT_CONFIGS = tuple(CONFIGS)
 BASELINE = "full"
+#: any Tail-Replay budget by name: tr-<percent of the matched prefix>[-recompute], e.g. tr-0.5, tr-0
+_TAIL_REPLAY_NAME = re.compile(r"tr-(\d+(?:\.\d+)?)(-recompute)?")
+NAME_HELP = "full, stock, tr-<percent>[-recompute] (percent in [0, 100]; tr-0 replays nothing)"
+
+
+def config_named(name: str) -> EvalConfig:
+    """`full`, `stock`, or Tail-Replay at any budget: `tr-0.5` (0.5 %), `tr-10-recompute`, ..."""
+    if name in CONFIGS:
+        return CONFIGS[name]
+    match = _TAIL_REPLAY_NAME.fullmatch(name)
+    if match is None or float(match[1]) > 100:
+        raise ValueError(f"unknown --configs name {name!r}; use {NAME_HELP}")
+    return _tail_replay(float(match[1]) / 100, "recompute" if match[2] else "exact")
+
+
+def report_order(config: EvalConfig) -> tuple:
+    """full, stock, then Tail-Replay with exact KV by budget, then recomputed KV by budget."""
+    if config.server == STOCK:
+        return (0, config.warm, 0.0)
+    return (1 + KV_MODES.index(config.kv_mode), 0, config.budget)
 
 
 def parse_configs(text: str) -> list[EvalConfig]:
     """Comma-separated names -> configs; `full` is always included (it is the 100% reference)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        raise ValueError(f"unknown --configs {unknown}; choose from {list(CONFIGS)}")
-    if BASELINE not in names:
-        names.insert(0, BASELINE)
-    return [CONFIGS[n] for n in dict.fromkeys(names)]
+    configs = [config_named(n) for n in [BASELINE, *names]]
+    return list({c.name: c for c in configs}.values())

@@ -6,6 +6,9 @@ samples, x100 (means over datasets of per-dataset means, as LongBench / RULER av
 configuration whose requests reused nothing has no retention ("n/a: no reuse").
 Agreement = % of samples whose greedy output is identical to the full-prefill output: stricter
 than retention, and meaningful even where the model scores poorly on the task.
+Drift = mean |log p(token) - log p_full(token)| over the generated tokens a sample shares with
+its full-prefill output (up to the first different token): how far the reused state moved the
+model's distribution, also when the greedy output did not change.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from eval.quality.configs import BASELINE, CONFIGS
+from eval.quality.configs import BASELINE, config_named, report_order
 
 
 def _mean_over_datasets(rows: list[dict]) -> float:
@@ -35,7 +38,7 @@ def summarize(rows: list[dict]) -> dict:
         base = [r for r in in_group if r["config"] == BASELINE]
         base_mean = _mean_over_datasets(base) if base else None
         table[group] = {}
-        for name in [c for c in CONFIGS if any(r["config"] == c for r in in_group)]:
+        for name in sorted({r["config"] for r in in_group}, key=lambda n: report_order(config_named(n))):
             rows_c = [r for r in in_group if r["config"] == name and r["key"] in keys]
             if not rows_c:
                 continue
@@ -47,6 +50,7 @@ def summarize(rows: list[dict]) -> dict:
             entry["replayed"] = round(mean(r["replayed_tokens"] or 0 for r in rows_c), 1)
             entry["retention"] = _retention(name, entry, base_mean)
             entry["agreement"] = _agreement(rows_c, base)
+            entry["drift"] = _drift(rows_c, base)
             table[group][name] = entry
     return table
 
@@ -56,8 +60,29 @@ def _agreement(rows: list[dict], base: list[dict]) -> float:
     return round(100.0 * mean(r["prediction"] == reference[r["key"]] for r in rows), 1)
 
 
+def logprob_drift(row: dict, reference: dict) -> float | None:
+    """Mean |delta log p| over the shared leading output tokens; None if none are shared."""
+    shared = 0
+    for a, b in zip(row["output_ids"], reference["output_ids"]):
+        if a != b:
+            break
+        shared += 1
+    if shared == 0:
+        return None
+    diffs = (abs(x - y) for x, y in zip(row["output_logprobs"][:shared], reference["output_logprobs"][:shared]))
+    return sum(diffs) / shared
+
+
+def _drift(rows: list[dict], base: list[dict]) -> float | str:
+    reference = {r["key"]: r for r in base}
+    if not all("output_ids" in r for r in [*rows, *base]):
+        return "n/a"   # rows written before output log-probabilities were recorded
+    drifts = [d for r in rows if (d := logprob_drift(r, reference[r["key"]])) is not None]
+    return round(mean(drifts), 5) if drifts else "n/a"
+
+
 def _retention(name: str, entry: dict, base_mean: float | None):
-    if name != BASELINE and CONFIGS[name].warm and entry["reused"] == 0:
+    if name != BASELINE and config_named(name).warm and entry["reused"] == 0:
         return "n/a: no reuse"
     if not base_mean:
         return "n/a: full-prefill score is 0"
@@ -67,14 +92,17 @@ def _retention(name: str, entry: dict, base_mean: float | None):
 def markdown(table: dict) -> str:
     out = []
     for group, configs in table.items():
-        datasets = sorted({k for e in configs.values() for k in e} - {"mean", "samples", "reused", "replayed", "retention", "agreement"})
+        datasets = sorted({k for e in configs.values() for k in e} - {"mean", "samples", "reused", "replayed", "retention",
+                                                                     "agreement", "drift"})
         out.append(f"### {group}\n")
-        out.append("| config | " + " | ".join(datasets) + " | mean | % of full | same output as full (%) | reused tok | replayed tok | n |")
-        out.append("|---|" + "---:|" * (len(datasets) + 6))
+        out.append("| config | " + " | ".join(datasets) + " | mean | % of full | same output as full (%) | logprob drift | reused tok | replayed tok | n |")
+        out.append("|---|" + "---:|" * (len(datasets) + 7))
         for name, e in configs.items():
             cells = [f"{e.get(d, float('nan')):.1f}" for d in datasets]
             ret = e["retention"] if isinstance(e["retention"], str) else f"{e['retention']:.1f}"
-            out.append(f"| {name} | " + " | ".join(cells) + f" | {e['mean']:.1f} | {ret} | {e['agreement']:.1f} | {e['reused']:.0f} | {e['replayed']:.0f} | {e['samples']} |")
+            drift = e["drift"] if isinstance(e["drift"], str) else f"{e['drift']:.4f}"
+            out.append(f"| {name} | " + " | ".join(cells) + f" | {e['mean']:.1f} | {ret} | {e['agreement']:.1f} | {drift} "
+                       f"| {e['reused']:.0f} | {e['replayed']:.0f} | {e['samples']} |")
         out.append("")
     return "\n".join(out)
 
@@ -88,8 +116,8 @@ def plot(table: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for group, configs in table.items():
         for mode, style in (("exact", "-o"), ("recompute", "--s")):
-            points = sorted((CONFIGS[n].budget * 100, e["retention"]) for n, e in configs.items()
-                            if CONFIGS[n].kv_mode == mode and not isinstance(e["retention"], str))
+            points = sorted((config_named(n).budget * 100, e["retention"]) for n, e in configs.items()
+                            if config_named(n).kv_mode == mode and not isinstance(e["retention"], str))
             if points:
                 ax.plot(*zip(*points), style, label=f"{group} Tail-Replay, {mode} KV")
     ax.axhline(100, color="gray", lw=0.8)

@@ -32,6 +32,12 @@ def reuse_of(meta: dict) -> dict:
             "matched_tokens": details.get("matched_tokens"), "replayed_tokens": details.get("replayed_tokens", 0)}
 
 
+def output_tokens(meta: dict) -> dict:
+    """The generated token ids and their log-probabilities (`return_logprob`), 5 decimals."""
+    pairs = meta.get("output_token_logprobs") or []
+    return {"output_ids": [int(p[1]) for p in pairs], "output_logprobs": [round(float(p[0]), 5) for p in pairs]}
+
+
 def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict) -> None:
     if config.must_hit and (reuse["cached_tokens"] <= 0 or reuse["hit_kind"] in (None, "miss")):
         raise ReuseCheckFailed(
@@ -51,7 +57,7 @@ def run_one(client: Client, config: EvalConfig, sample: EvalSample, scorer: Scor
     return {"key": sample.key, "benchmark": sample.benchmark, "dataset": sample.dataset, "sample_id": sample.sample_id,
             "length": sample.length, "group": sample.group, "config": config.name, "budget": config.budget, "kv_mode": config.kv_mode,
             "prompt_tokens": out["meta_info"]["prompt_tokens"], **reuse, "answers": list(sample.answers),
-            "prediction": out["text"], "score": scorer(sample, out["text"])}
+            "prediction": out["text"], "score": scorer(sample, out["text"]), **output_tokens(out["meta_info"])}
 
 
 def read_rows(path: Path) -> list[dict]:

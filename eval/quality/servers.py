@@ -47,7 +47,7 @@ class Client:
         params = {"max_new_tokens": max_new_tokens, "temperature": 0}
         if overrides:
             params["custom_params"] = {"tail_replay": overrides}
-        resp = self._post("/generate", {"text": prompt, "sampling_params": params})
+        resp = self._post("/generate", {"text": prompt, "sampling_params": params, "return_logprob": True})
         if resp.status_code != 200:
             raise RuntimeError(f"{self.url}/generate failed ({resp.status_code}): {resp.text[:300]}")
         return resp.json()
@@ -62,14 +62,16 @@ def server_args(kind: str, launch_args: str) -> list[str]:
 
 @contextlib.contextmanager
 def launched(model: str, kinds: list[str], launch_args: str, log_dir: Path):
-    """Start one patched server per kind (STOCK / TAIL_REPLAY) on `model`; yield kind -> Client."""
-    from sglang_ext.testing import ServerProcess, start_servers, stop_servers
+    """Start one patched server per kind (STOCK / TAIL_REPLAY) on `model`; yield kind -> Client.
+    The servers are stopped on exit, also when the run is ended by SIGTERM."""
+    from sglang_ext.testing import ServerProcess, sigterm_unwinds, start_servers, stop_servers
 
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {k: ServerProcess(model, server_args(k, launch_args), log_path=log_dir / f"server-{k}.log") for k in kinds}
-    start_servers(list(procs.values()))
-    try:
-        yield {k: Client(p.url) for k, p in procs.items()}
-    finally:
-        stop_servers(list(procs.values()))
+    with sigterm_unwinds():
+        start_servers(list(procs.values()))
+        try:
+            yield {k: Client(p.url) for k, p in procs.items()}
+        finally:
+            stop_servers(list(procs.values()))
 

@@ -44,8 +44,9 @@ class ReplayPlan:
 
     @property
     def reuses_tail_kv(self) -> bool:
-        """Whether the replayed tail [prefix_len, L) may take its KV from the tree."""
-        return self.kind in (HitKind.APPROXIMATE, HitKind.EXACT_REPLAY)
+        """Whether there is a replayed tail [prefix_len, L) that may take its KV from the tree
+        (a zero window, `budget: 0`, reuses all of L and replays nothing)."""
+        return self.kind in (HitKind.APPROXIMATE, HitKind.EXACT_REPLAY) and self.replayed_tokens > 0
 
 
 def replay_window(matched_len: int, config: TailReplayConfig) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -89,3 +90,12 @@ def test_frontend_program_runs_against_the_server(server):
     direct = server.generate(text="Question: Is the sky blue?\nAnswer:",
                              sampling_params={"max_new_tokens": 5, "temperature": 0})
     assert state["answer"] == direct["text"]
+
+
+def test_out_of_vocabulary_input_ids_are_that_requests_error(server, model_dir):
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    for bad in (vocab_size, -1):
+        resp = requests.post(f"{server.url}/generate", timeout=60,
+                             json={"input_ids": [1, bad, 2], "sampling_params": {"max_new_tokens": 1}})
+        assert resp.status_code == 400 and f"input_ids[1] = {bad} is not a token id" in resp.text
+    assert greedy(server, [4, 5, 6], new_tokens=1)["meta_info"]["completion_tokens"] == 1   # still serving

@@ -12,7 +12,7 @@ from sglang_ext.testing import ServerProcess, start_servers, stop_servers
 
 ROW_FIELDS = {"key", "benchmark", "dataset", "sample_id", "length", "group", "config", "budget", "kv_mode",
               "prompt_tokens", "cached_tokens", "hit_kind", "matched_tokens", "replayed_tokens", "answers",
-              "prediction", "score"}
+              "prediction", "score", "output_ids", "output_logprobs"}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,17 @@ def test_ruler_runs_every_configuration_from_a_verified_hit(served, ruler_data, 
     summary = json.loads((out / "summary.json").read_text())["1K"]
     assert set(summary) == set(configs.CONFIGS)
     assert (out / "retention.png").stat().st_size > 0 and "% of full" in (out / "summary.md").read_text()
+
+
+def test_a_zero_budget_reuses_all_kv_and_replays_nothing(served, ruler_data, tmp_path):
+    """tr-0 (the negative control): the question starts from a zero linear state at the match end."""
+    model, urls = served
+    out = tmp_path / "zero"
+    assert cli.main(["run", "--benchmark", "ruler", "--tasks", "niah_single_1", "--lengths", "1024", "--samples", "1",
+                     "--tokenizer", str(model), "--out", str(out), "--configs", "tr-0", *ruler_data, *urls]) == 0
+    (row,) = [r for r in _rows(out) if r["config"] == "tr-0"]
+    assert row["hit_kind"] == "approximate" and row["replayed_tokens"] == 0
+    assert row["cached_tokens"] == row["matched_tokens"] > 0.8 * row["prompt_tokens"]
 
 
 def test_a_partially_written_output_resumes(served, ruler_data, tmp_path):

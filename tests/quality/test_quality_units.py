@@ -18,9 +18,24 @@ def test_full_prefill_is_always_the_reference():
     assert names == ["full", "tr-5", "stock"]
 
 
-def test_unknown_config_is_named():
-    with pytest.raises(ValueError, match="tr-7"):
-        configs.parse_configs("full,tr-7")
+@pytest.mark.parametrize("name", ["tr-x", "tr-101", "tr-5-exact", "replay-5", "tr--1"])
+def test_unknown_config_is_named(name):
+    with pytest.raises(ValueError, match=name):
+        configs.parse_configs(f"full,{name}")
+
+
+def test_any_tail_replay_budget_by_name():
+    zero, half, seven = configs.parse_configs("tr-0,tr-0.5-recompute,tr-7")[1:]
+    assert (zero.name, zero.overrides) == ("tr-0", {"budget": 0.0, "kv_mode": "exact", "min_replay_tokens": 0})
+    assert (half.name, half.budget, half.kv_mode) == ("tr-0.5-recompute", 0.005, "recompute")
+    assert seven.budget == 0.07 and seven.must_hit
+    assert configs.config_named("tr-5") is configs.CONFIGS["tr-5"]
+
+
+def test_report_orders_stock_then_exact_then_recomputed_by_budget():
+    names = ["tr-10-recompute", "tr-20", "stock", "tr-0.5", "full", "tr-2.5-recompute", "tr-5"]
+    ordered = sorted(names, key=lambda n: configs.report_order(configs.config_named(n)))
+    assert ordered == ["full", "stock", "tr-0.5", "tr-5", "tr-20", "tr-2.5-recompute", "tr-10-recompute"]
 
 
 def test_tail_replay_configs_carry_budget_and_kv_mode():
@@ -75,6 +90,20 @@ def test_retention_is_the_ratio_of_dataset_means():
     assert table["tr-5"]["reused"] == 100.0
     # same output as full prefill: sample 3 only (same score -> same prediction text here)
     assert table["tr-5"]["agreement"] == 33.3 and table["full"]["agreement"] == 100.0
+
+
+def test_drift_averages_logprob_gaps_over_the_shared_leading_tokens():
+    full = {"output_ids": [5, 6, 7], "output_logprobs": [-0.1, -0.2, -0.3]}
+    assert report.logprob_drift({"output_ids": [5, 6, 9], "output_logprobs": [-0.2, -0.4, -5.0]}, full) == \
+        pytest.approx((0.1 + 0.2) / 2)
+    assert report.logprob_drift(dict(full), full) == 0.0
+    assert report.logprob_drift({"output_ids": [8], "output_logprobs": [-0.1]}, full) is None
+    rows = [{**_row("full", "a", 100, "1"), **full},
+            {**_row("tr-0", "a", 100, "1"), "output_ids": [5, 6, 7], "output_logprobs": [-0.1, -0.5, -0.3]}]
+    table = report.summarize(rows)["4K"]
+    assert table["tr-0"]["drift"] == 0.1 and table["full"]["drift"] == 0.0
+    assert "logprob drift" in report.markdown(report.summarize(rows))
+    assert report.summarize([_row("full", "a", 100, "1")])["4K"]["full"]["drift"] == "n/a"   # older rows
 
 
 def test_question_cut_points():

@@ -82,6 +82,14 @@ def test_checkpoint_outside_window_gives_approximate():
     assert not plan.state_is_exact and plan.reuses_tail_kv
 
 
+def test_zero_budget_reuses_the_whole_match_and_replays_nothing():
+    zero = dataclasses.replace(CFG, budget=0.0, min_replay_tokens=0)
+    plan = plan_replay(500, None, 1, zero)
+    assert plan == ReplayPlan(HitKind.APPROXIMATE, 500, 500, 500)
+    assert plan.replayed_tokens == 0 and not plan.state_is_exact and not plan.reuses_tail_kv
+    assert plan_replay(500, None, 64, zero).replayed_tokens == 500 - 448   # back to a page boundary
+
+
 @pytest.mark.parametrize(
     "matched, page, expected_prefix",
     [

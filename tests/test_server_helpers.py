@@ -1,0 +1,25 @@
+"""sglang_ext.testing helpers that need no server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from sglang_ext.testing import sigterm_unwinds
+
+
+def test_sigterm_unwinds_through_finally_and_restores_the_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = []
+    with pytest.raises(SystemExit) as exit_info:
+        with sigterm_unwinds():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)
+            finally:
+                stopped.append("servers")
+    assert exit_info.value.code == 143 and stopped == ["servers"]
+    assert signal.getsignal(signal.SIGTERM) is before
