@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_ext.testing import ServerProcess, start_servers, stop_servers  # noqa: E402
+from sglang_ext.testing import ServerProcess, servers_running  # noqa: E402
 
 TOKEN_LO, TOKEN_HI = 10, 500          # random prompt ids (the tiny model's vocabulary is 512)
 SERVER_BUDGET = 0.05
@@ -222,8 +222,7 @@ def run(args) -> int:
     started = time.time()
     load_start = os.getloadavg()
     print(f"starting servers ({' '.join(common)}) ...", flush=True)
-    start_servers([stock, tail])
-    try:
+    with servers_running([stock, tail]):
         # warm-up: first-call costs (allocator, kernels, code paths of a hit) outside the timings
         doc = prompts.tokens(1024)
         for server in (stock, tail):
@@ -258,8 +257,6 @@ def run(args) -> int:
                         budget = TR_BUDGETS[config]
                         rec = measure(config, tail, doc_tail + q, {"budget": budget})
                         problems += check_tail_replay(rec, L, expected_window(L, budget, tr_config))
-    finally:
-        stop_servers([stock, tail])
     rows = summarize(records, lengths, n)
     table = markdown_table(rows)
     command = "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_ext.models.tiny import build_tiny_model
-from sglang_ext.testing import ServerProcess, start_servers, stop_servers
+from sglang_ext.testing import ServerProcess, servers_running
 
 DOCUMENT_TOKENS = 2000
 BACKENDS = {
@@ -75,9 +75,6 @@ def main(argv: list[str] | None = None) -> None:
                                    log_path=workdir / f"server-{i}.log")
                for i, (name, args) in enumerate(BACKENDS.items())}
     print(f"starting {len(servers)} patched SGLang servers (logs in {workdir}) ...")
-    start_servers(list(servers.values()))
-    try:
+    with servers_running(list(servers.values())):
         for name, server in servers.items():
             print(f"\n### {name}\n\n{format_turns(run_conversation(server))}")
-    finally:
-        stop_servers(list(servers.values()))

@@ -137,6 +137,36 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+@contextlib.contextmanager
+def sigterm_deferred():
+    """Inside: a SIGTERM waits until the block is done (a cleanup must not be cut short), then
+    raises SystemExit(143)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if received:
+        raise SystemExit(128 + received[0])
+
+
+@contextlib.contextmanager
+def servers_running(servers: list[ServerProcess]):
+    """Boot `servers`, yield them, stop them all: on return, on errors and on SIGTERM (also
+    one that arrives while they are being stopped)."""
+    with sigterm_unwinds():
+        try:
+            start_servers(servers)
+            yield servers
+        finally:
+            with sigterm_deferred():
+                stop_servers(servers)
+
+
 def stop_servers(servers: list[ServerProcess]) -> None:
     for server in servers:
         server.stop()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sglang_ext.testing import sigterm_unwinds
+from sglang_ext.testing import sigterm_deferred, sigterm_unwinds
 
 
 def test_sigterm_unwinds_through_finally_and_restores_the_handler():
@@ -22,4 +22,17 @@ def test_sigterm_unwinds_through_finally_and_restores_the_handler():
             finally:
                 stopped.append("servers")
     assert exit_info.value.code == 143 and stopped == ["servers"]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_sigterm_during_cleanup_waits_for_it_then_exits():
+    before = signal.getsignal(signal.SIGTERM)
+    steps = []
+    with pytest.raises(SystemExit) as exit_info:
+        with sigterm_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+            steps.append("first server stopped")
+            steps.append("second server stopped")
+    assert exit_info.value.code == 143 and steps == ["first server stopped", "second server stopped"]
     assert signal.getsignal(signal.SIGTERM) is before

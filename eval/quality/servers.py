@@ -10,7 +10,7 @@ from pathlib import Path
 
 import requests
 
-from eval.quality.configs import STOCK, TAIL_REPLAY
+from eval.quality.configs import TAIL_REPLAY
 
 #: Tail-Replay server: no exact state checkpoints, so every hit is rebuilt from the tail alone
 TAIL_REPLAY_SERVER_CONFIG = {"keep_checkpoints": False}
@@ -64,14 +64,10 @@ def server_args(kind: str, launch_args: str) -> list[str]:
 def launched(model: str, kinds: list[str], launch_args: str, log_dir: Path):
     """Start one patched server per kind (STOCK / TAIL_REPLAY) on `model`; yield kind -> Client.
     The servers are stopped on exit, also when the run is ended by SIGTERM."""
-    from sglang_ext.testing import ServerProcess, sigterm_unwinds, start_servers, stop_servers
+    from sglang_ext.testing import ServerProcess, servers_running
 
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {k: ServerProcess(model, server_args(k, launch_args), log_path=log_dir / f"server-{k}.log") for k in kinds}
-    with sigterm_unwinds():
-        start_servers(list(procs.values()))
-        try:
-            yield {k: Client(p.url) for k, p in procs.items()}
-        finally:
-            stop_servers(list(procs.values()))
+    with servers_running(list(procs.values())):
+        yield {k: Client(p.url) for k, p in procs.items()}
 

@@ -87,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         rows = evaluate(args.url, tokenizer, task_names, lengths, args.samples)
     else:
-        from sglang_ext.testing import ServerProcess
+        from sglang_ext.testing import ServerProcess, servers_running
 
-        with ServerProcess(str(args.model), SERVER_ARGS, log_path=out_dir / "eval_server.log") as server:
+        with servers_running([ServerProcess(str(args.model), SERVER_ARGS, log_path=out_dir / "eval_server.log")]) as (server,):
             rows = evaluate(server.url, tokenizer, task_names, lengths, args.samples)
         (out_dir / "eval_server.log").unlink(missing_ok=True)
     with open(out_dir / "ruler_samples.jsonl", "w") as f:
