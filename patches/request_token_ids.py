@@ -15,8 +15,11 @@ TARGET = "srt/managers/tokenizer_manager.py: TokenizerManager._validate_one_requ
 
 
 def out_of_vocabulary(input_ids, vocab_size: int) -> str | None:
-    """The error for the first id outside [0, vocab_size), or None when all are inside."""
-    for position, token_id in enumerate(input_ids or ()):
+    """The error for the first id outside [0, vocab_size), or None when all are inside.
+    Runs per request: min/max (C loops) first, the position only for a bad request."""
+    if not input_ids or (min(input_ids) >= 0 and max(input_ids) < vocab_size):
+        return None
+    for position, token_id in enumerate(input_ids):
         if not 0 <= token_id < vocab_size:
             return (f"input_ids[{position}] = {token_id} is not a token id of this model "
                     f"(vocabulary size {vocab_size}; valid ids are 0..{vocab_size - 1})")

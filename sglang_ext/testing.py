@@ -120,13 +120,13 @@ def start_servers(servers: list[ServerProcess], timeout_s: float = STARTUP_TIMEO
 
 
 @contextlib.contextmanager
-def sigterm_unwinds():
-    """Inside: SIGTERM raises SystemExit(143), so `finally` blocks stop the servers a command
-    started instead of orphaning them (`kill PID`; background jobs of a script ignore SIGINT)."""
+def _sigterm_handled_by(handler):
+    """Inside: SIGTERM calls `handler`; the previous handler is restored on exit. Only the main
+    thread can set handlers; elsewhere this changes nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
@@ -137,19 +137,19 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+def sigterm_unwinds():
+    """Inside: SIGTERM raises SystemExit(143), so `finally` blocks stop the servers a command
+    started instead of orphaning them (`kill PID`; background jobs of a script ignore SIGINT)."""
+    return _sigterm_handled_by(_exit_on_sigterm)
+
+
 @contextlib.contextmanager
 def sigterm_deferred():
     """Inside: a SIGTERM waits until the block is done (a cleanup must not be cut short), then
     raises SystemExit(143)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     received: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
-    try:
+    with _sigterm_handled_by(lambda signum, frame: received.append(signum)):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if received:
         raise SystemExit(128 + received[0])
 
