@@ -1,4 +1,4 @@
-"""``python -m eval.trace_sim run|adapt ...``: capacity sweeps and the adaptation test."""
+"""``python -m eval.trace_sim run|bound|adapt ...``: capacity sweeps, the noisy-Belady bound and the adaptation test."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tqdm import tqdm
 from sglang_ext.eviction import POLICY_REGISTRY
 
 from .adapt import adaptation_markdown, run_adaptation
+from .bound import run_bound
 from .cost_model import DEFAULT_COST_MODEL, load_cost_model
 from .loaders import DEFAULT_TRACE_ROOT, KvLoadOptions, load_named_trace
 from .report import annotate, markdown, plot
@@ -46,16 +47,36 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--policies", type=_names, default=list(POLICY_REGISTRY),
                      help=f"comma-separated, from {', '.join(POLICY_REGISTRY)}")
     _common(run)
-    run.add_argument("--kv-arrival-gap", type=float, default=KvLoadOptions.arrival_gap_s,
-                     help="mean seconds between conversation starts (kv-cache-tester)")
-    run.add_argument("--kv-limit-files", type=int, default=None)
-    run.add_argument("--no-output-caching", action="store_true",
-                     help="do not cache generated tokens at request finish (kv-cache-tester)")
+    _trace_options(run)
+    bound = sub.add_parser("bound", help="Belady with noisy arrival times: how much future "
+                                         "knowledge the LRU-to-Belady gap needs")
+    bound.add_argument("--trace", type=_names, default=["kv-cache-tester"])
+    bound.add_argument("--capacities", type=_floats, default=[0.005, 0.01, 0.02])
+    bound.add_argument("--sigmas", type=_sigmas, default=[0.5, 1.0, 2.0],
+                       help="log-normal errors of the arrival times, comma-separated")
+    _common(bound)
+    _trace_options(bound)
     adapt = sub.add_parser("adapt", help="SAE learned on one synthetic mix, run on a shifted mix")
     adapt.add_argument("--capacity", type=float, default=0.05)
     adapt.add_argument("--hours", type=float, default=1.0)
     _common(adapt)
     return parser
+
+
+def _sigmas(text: str) -> list[float]:
+    values = _floats(text)
+    bad = [v for v in values if not 0.0 <= v < float("inf")]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"sigmas must be finite numbers >= 0, got {text!r}")
+    return values
+
+
+def _trace_options(parser) -> None:
+    parser.add_argument("--kv-arrival-gap", type=float, default=KvLoadOptions.arrival_gap_s,
+                        help="mean seconds between conversation starts (kv-cache-tester)")
+    parser.add_argument("--kv-limit-files", type=int, default=None)
+    parser.add_argument("--no-output-caching", action="store_true",
+                        help="do not cache generated tokens at request finish (kv-cache-tester)")
 
 
 def _common(parser) -> None:
@@ -101,6 +122,20 @@ def _write(out: Path, rows: list[dict], cost, command: str) -> None:
     plot(rows, out)
 
 
+def command_bound(args, command: str) -> None:
+    cost = load_cost_model(args.cost_model)
+    print(f"cost model source: {cost.source}", file=sys.stderr)
+    rows = []
+    for name in args.trace:
+        prepared = prepare(load_trace(name, args))
+        infinite = prepared.infinite_cache_hit_ratio()
+        for cap in args.capacities:
+            rows += [{"trace": name, "distinct_blocks": prepared.distinct_blocks,
+                      "infinite_hit_ratio": infinite, **row}
+                     for row in run_bound(prepared, cap, cost, args.sigmas, seed=args.seed)]
+        _write(args.out, rows, cost, command)
+
+
 def command_adapt(args, command: str) -> None:
     cost = load_cost_model(args.cost_model)
     print(f"cost model source: {cost.source}", file=sys.stderr)
@@ -116,4 +151,4 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     command = "python -m eval.trace_sim " + " ".join(shlex.quote(a) for a in argv)
-    {"run": command_run, "adapt": command_adapt}[args.command](args, command)
+    {"run": command_run, "bound": command_bound, "adapt": command_adapt}[args.command](args, command)

@@ -9,15 +9,17 @@ seconds away, a response -> a user has to answer. Per (queue, state) class SAE f
 online a log-normal model of the time T to the owner's next reference (for sessions: the
 gap between requests, observed exactly) and the chance rho that there is one at all.
 
-To free space SAE evicts the evictable entry with the smallest value density
+To free space SAE evicts the evictable entry with the smallest hit density
 
-    v = g_c(a) * cost_per_block ** p,   g_c(a) = P(next reference within H | none for age a)
-      = rho (S(a) - S(a + H)) / (rho S(a) + 1 - rho)
+    v = H * g_c(a) / E[time held] * cost_per_block ** p,
+    g_c(a) = P(next reference within H | none for age a) = rho (S(a) - S(a + H)) / (rho S(a) + 1 - rho)
 
-with ``S`` the log-normal survival, ``a`` the entry's age and ``H`` the cache's mean
-block residence time (Little's law: cached blocks / eviction rate). Overdue owners
-(S(a) small) and owners whose next request is far away go first; owners about to
-return are kept whole.
+with ``S`` the log-normal survival, ``a`` the entry's age, ``H`` the cache's mean
+block residence time (Little's law: cached blocks / eviction rate) and ``E[time held]``
+the expected time until the reference or for H, whichever comes first: references per
+block-second of cache, as in LHD (Beckmann et al., NSDI'18). Overdue owners (S(a) small)
+and owners whose next request is far away go first; owners about to return are kept
+whole.
 
 A second expert, LRU, proposes its own victim. Every disagreement is judged afterwards
 by Belady's rule on the pair (whichever of the two candidates is referenced first
@@ -66,6 +68,8 @@ class SAEConfig:
     output_size_classes: bool = True  # split output states by log2 of the cached output size
     late_returns: bool = True  # a session that returns after being declared ended is learned:
     #                            its gap enters the fit and its "ended" outcome is revoked
+    hit_density: bool = True  # value per block-second held: g / expected time held (LHD-style);
+    #                           False: g alone (version 2)
 
 
 @dataclass
@@ -100,6 +104,14 @@ class ReuseTimeModel:
     def quantile(self, z: float) -> float:
         return math.exp(self.mu + z * self.sigma)
 
+    def truncated_mean(self, seconds: float) -> float:
+        """E[min(T, seconds)] = integral of the survival over [0, seconds]."""
+        if seconds <= 0:
+            return 0.0
+        sigma = self.sigma
+        below = 0.5 * math.erfc(-(math.log(seconds) - self.mu - sigma * sigma) / (sigma * SQRT2))
+        return seconds * self.survival(seconds) + math.exp(self.mu + 0.5 * sigma * sigma) * below
+
 
 @dataclass
 class ClassStats:
@@ -124,6 +136,18 @@ def soon(model: ReuseTimeModel, rho: float, age: float, horizon: float, scale: f
     if denom <= 1e-300:
         return 0.0
     return max(rho * (alive - model.survival((age + horizon) / scale)), 0.0) / denom
+
+
+def hit_density(model: ReuseTimeModel, rho: float, age: float, horizon: float,
+                scale: float = 1.0) -> float:
+    """References per second of cache held, times H: g(a) divided by the expected time
+    the entry stays (until its reference or for H, whichever comes first), given no
+    reference during the age a. At least g(a); equal to it when the owner would stay the
+    whole H (no reference expected within it)."""
+    lo, hi = age / scale, (age + horizon) / scale
+    hits = rho * (model.survival(lo) - model.survival(hi))
+    held = scale * rho * (model.truncated_mean(hi) - model.truncated_mean(lo)) + (1.0 - rho) * horizon
+    return max(hits, 0.0) * horizon / max(held, 1e-9 * horizon)
 
 
 @dataclass
@@ -307,8 +331,9 @@ class SAEPolicy(EvictionPolicy):
         queue, state, bucket, pace = klass
         if horizon is None:
             horizon = self.state.horizon_s * self.config.horizon_scale
-        g = soon(self.reuse_model((queue, state)), self.stats((queue, state)).reuse_prob, age,
-                 horizon, math.exp(pace * PACE_STEP))
+        score = hit_density if self.config.hit_density else soon
+        g = score(self.reuse_model((queue, state)), self.stats((queue, state)).reuse_prob, age,
+                  horizon, math.exp(pace * PACE_STEP))
         return g * 2.0 ** (bucket * self.config.cost_power) if self.config.cost_power else g
 
     def _model_victim(self, now: float) -> Key | None:

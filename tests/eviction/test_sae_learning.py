@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -10,6 +11,7 @@ import pytest
 from eval.trace_sim.synthetic import SyntheticSpec, WorkloadMix, generate
 from eval.trace_sim.testing import run
 from sglang_ext.eviction import EntryInfo, RequestInfo, SAEConfig, SAEPolicy
+from sglang_ext.eviction.sae import ReuseTimeModel, hit_density, soon
 
 
 def _info(token_type: str, start: int = 0, blocks: int = 1, cost: float = 0.0) -> EntryInfo:
@@ -166,7 +168,7 @@ def test_warm_start_copies_state_instead_of_sharing_it():
     assert warm.reuse_model(klass).mu > source.reuse_model(klass).mu
 
 
-@pytest.mark.parametrize("overrides", [{}, {"use_lru_expert": True, "session_rate": 0.5,
+@pytest.mark.parametrize("overrides", [{}, {"hit_density": False}, {"use_lru_expert": True, "session_rate": 0.5,
                                             "cost_power": 1.0}])
 def test_variants_are_deterministic_on_a_synthetic_trace(overrides):
     mix = WorkloadMix(system_blocks=4, template_blocks=3, tool_output_blocks=3, n_templates=5)
@@ -236,3 +238,45 @@ def test_duel_cost_power_sets_what_the_judge_counts(duel_cost_power, model_ahead
         _duel(policy, r, cost=1.0, model_right=False)  # three cheap blocks lost
     # cost-weighted (cost_power 0.5): 32 vs 3 for the model; blocks only: 1 vs 3
     assert (policy.state.model_win_rate > 0.5) == model_ahead
+
+
+def test_hit_density_keeps_the_session_that_returns_sooner_when_both_will():
+    """Both classes are sure to return (rho = 1) well within the horizon, so g ~ 1 for
+    both; the hit density (references per block-second held) prefers the one that holds
+    the space for less time: the 5 s tool-call class over the 60 s response class."""
+    policies = {density: SAEPolicy(replace(SAEConfig(), hit_density=density))
+                for density in (True, False)}
+    for policy in policies.values():
+        _session_turns(policy, 1, "tool_call", gap=5.0, turns=30)
+        _session_turns(policy, 2, "response", gap=60.0, turns=30, index0=1000)
+        for state in (("tool_call", 1), ("response", 1)):
+            policy.stats(("session", state)).reuse_prob = 1.0
+    slow, fast = ("session", ("response", 1), 0, 0), ("session", ("tool_call", 1), 0, 0)
+    horizon = 1e4
+    g = policies[False]
+    assert g.value(slow, 1.0, horizon) == pytest.approx(g.value(fast, 1.0, horizon), rel=1e-6)
+    density = policies[True]
+    ratio = density.value(slow, 1.0, horizon) / density.value(fast, 1.0, horizon)
+    assert ratio == pytest.approx(5.0 / 60.0, rel=0.3)  # ~ the ratio of the expected waits
+
+
+def test_truncated_mean_is_the_integral_of_the_survival():
+    model = ReuseTimeModel(mu=math.log(20.0), var=1.3 ** 2)
+    for upper in (0.5, 20.0, 700.0):
+        steps = 20_000
+        numeric = sum(model.survival((k + 0.5) * upper / steps) for k in range(steps)) * upper / steps
+        assert model.truncated_mean(upper) == pytest.approx(numeric, rel=1e-6)
+    assert model.truncated_mean(0.0) == 0.0
+
+
+def test_hit_density_is_unimodal_in_age():
+    """The decision looks only at the oldest and the youngest owner of each heap, which
+    finds the least valuable one only if the value never falls and then rises in age."""
+    ages = [0.0] + [math.exp(k / 8.0) for k in range(-24, 100)]
+    for mu, sigma, rho, horizon in itertools.product((0.0, 3.0, 6.0), (0.5, 1.5, 3.0),
+                                                     (0.05, 0.7, 0.999), (1.0, 100.0, 1e4)):
+        model = ReuseTimeModel(mu=mu, var=sigma ** 2)
+        values = [hit_density(model, rho, a, horizon) for a in ages]
+        steps = [b - a for a, b in zip(values, values[1:]) if abs(b - a) > 1e-12 * max(a, 1e-300)]
+        assert not any(x < 0 < y for x, y in zip(steps, steps[1:])), (mu, sigma, rho, horizon)
+        assert all(v >= soon(model, rho, a, horizon) * (1 - 1e-9) for v, a in zip(values, ages))
