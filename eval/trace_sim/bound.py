@@ -5,8 +5,8 @@ reads them, but sees that time only up to a log-normal error: a next request due
 ``d`` seconds looks ``d * exp(sigma * z)`` away, with one standard normal ``z`` per
 request (seeded), shared by every entry that request reads. ``sigma = 0`` is Belady
 by time; larger sigma means an oracle that knows less. Whether an entry is read again
-at all stays exact, so this bounds from above what any online policy can do with
-arrival-time predictions of that spread (see docs/saecache.md, section 5).
+at all stays exact, so it is an optimistic reference (not a proven bound) for a policy
+whose arrival forecasts have that spread (see docs/saecache.md, section 5).
 """
 
 from __future__ import annotations

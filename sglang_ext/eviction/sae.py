@@ -104,13 +104,31 @@ class ReuseTimeModel:
     def quantile(self, z: float) -> float:
         return math.exp(self.mu + z * self.sigma)
 
-    def truncated_mean(self, seconds: float) -> float:
-        """E[min(T, seconds)] = integral of the survival over [0, seconds]."""
-        if seconds <= 0:
+    def survival_integral(self, lo: float, hi: float) -> float:
+        """Integral of the survival over [lo, hi]: E[min(T, hi)] - E[min(T, lo)]. Below the
+        median it is taken as a difference of truncated means, above it as a difference
+        of tail integrals, each accurate where the other cancels."""
+        if hi <= lo:
             return 0.0
+        if lo <= 0 or math.log(lo) <= self.mu:
+            return self._truncated_mean(hi) - self._truncated_mean(lo)
+        return self._tail_integral(lo) - self._tail_integral(hi)
+
+    def _truncated_mean(self, x: float) -> float:
+        """E[min(T, x)] = x S(x) + E[T; T <= x]."""
+        if x <= 0:
+            return 0.0
+        return x * self.survival(x) + self._partial_mean(x, upper=False)
+
+    def _tail_integral(self, x: float) -> float:
+        """Integral of the survival over [x, inf) = E[T; T > x] - x S(x)."""
+        return max(self._partial_mean(x, upper=True) - x * self.survival(x), 0.0)
+
+    def _partial_mean(self, x: float, upper: bool) -> float:
+        """E[T; T > x] (upper) or E[T; T <= x]: exp(mu + s^2/2) Phi(-/+ (ln x - mu - s^2) / s)."""
         sigma = self.sigma
-        below = 0.5 * math.erfc(-(math.log(seconds) - self.mu - sigma * sigma) / (sigma * SQRT2))
-        return seconds * self.survival(seconds) + math.exp(self.mu + 0.5 * sigma * sigma) * below
+        z = (math.log(x) - self.mu - sigma * sigma) / (sigma * SQRT2)
+        return math.exp(self.mu + 0.5 * sigma * sigma) * 0.5 * math.erfc(z if upper else -z)
 
 
 @dataclass
@@ -146,8 +164,12 @@ def hit_density(model: ReuseTimeModel, rho: float, age: float, horizon: float,
     whole H (no reference expected within it)."""
     lo, hi = age / scale, (age + horizon) / scale
     hits = rho * (model.survival(lo) - model.survival(hi))
-    held = scale * rho * (model.truncated_mean(hi) - model.truncated_mean(lo)) + (1.0 - rho) * horizon
-    return max(hits, 0.0) * horizon / max(held, 1e-9 * horizon)
+    if hits <= 0.0:
+        return 0.0
+    held = scale * rho * model.survival_integral(lo, hi) + (1.0 - rho) * horizon
+    # never less than holding to the horizon when no reference comes by then (rounding)
+    held = max(held, horizon * (rho * model.survival(hi) + 1.0 - rho), 1e-300)
+    return hits * horizon / held
 
 
 @dataclass

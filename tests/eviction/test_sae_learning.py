@@ -260,13 +260,31 @@ def test_hit_density_keeps_the_session_that_returns_sooner_when_both_will():
     assert ratio == pytest.approx(5.0 / 60.0, rel=0.3)  # ~ the ratio of the expected waits
 
 
-def test_truncated_mean_is_the_integral_of_the_survival():
-    model = ReuseTimeModel(mu=math.log(20.0), var=1.3 ** 2)
-    for upper in (0.5, 20.0, 700.0):
-        steps = 20_000
-        numeric = sum(model.survival((k + 0.5) * upper / steps) for k in range(steps)) * upper / steps
-        assert model.truncated_mean(upper) == pytest.approx(numeric, rel=1e-6)
-    assert model.truncated_mean(0.0) == 0.0
+def _numeric_integral(model: ReuseTimeModel, lo: float, hi: float, steps: int = 20_000) -> float:
+    a, b = math.log(lo), math.log(hi)  # midpoint rule in log time
+    width = (b - a) / steps
+    points = (math.exp(a + (k + 0.5) * width) for k in range(steps))
+    return sum(model.survival(t) * t for t in points) * width
+
+
+@pytest.mark.parametrize("lo", [0.5, 20.0, 150.0, 700.0])
+def test_survival_integral_is_accurate_from_the_body_to_the_far_tail(lo):
+    model = ReuseTimeModel(mu=math.log(5.0), var=0.5 ** 2)  # at 700 s: 10 sigma out
+    for width in (1.0, 100.0, 1e4):
+        exact = _numeric_integral(model, lo, lo + width)
+        assert model.survival_integral(lo, lo + width) == pytest.approx(exact, rel=1e-5)
+    assert model.survival_integral(lo, lo) == 0.0
+
+
+def test_hit_density_of_an_overdue_owner_sure_to_return_is_its_tail_rate():
+    """rho = 1 and 40 sigma-widths overdue: all remaining hits come within H, so the
+    density is H / (mean residual time); rounding must not turn it into 0 or 1e-9."""
+    model = ReuseTimeModel(mu=math.log(5.0), var=0.5 ** 2)
+    age, horizon = 150.0, 1000.0
+    hits = model.survival(age) - model.survival(age + horizon)
+    expected = hits * horizon / _numeric_integral(model, age, age + horizon)
+    assert hit_density(model, 1.0, age, horizon) == pytest.approx(expected, rel=1e-4)
+    assert hit_density(model, 1.0, 1e30, horizon) == 0.0  # survival underflows: no hit left
 
 
 def test_hit_density_is_unimodal_in_age():
