@@ -19,7 +19,7 @@ def tree_holds_no_states() -> bool:
     from sglang.srt.runtime_context import get_memory
 
     from sglang_ext.env import read_tail_replay_config
-    from sglang_ext.tail_replay.cache import BACKEND_NAME
+    from sglang_ext.tail_replay.config import BACKEND_NAME
 
     return (get_memory().radix_cache_backend == BACKEND_NAME
             and not read_tail_replay_config().keep_checkpoints)

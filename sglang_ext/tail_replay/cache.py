@@ -9,7 +9,7 @@ What changes against SGLang 0.5.23's `UnifiedRadixCache` + `MambaComponent`:
   states) are never inserted; the attention KV still is.
 The per-request decision is `req.tail_replay` (a ReplayPlan) plus, for exact-KV replay,
 `req.tail_replay_kv_slots`: the tree's KV slots of the replayed tail, read by
-`patches/tail_replay_kv.py`.
+`patches/tail_replay_batch.py` / `tail_replay_attention.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig, with_overrides
+from sglang_ext.tail_replay.config import BACKEND_NAME, REQUEST_PARAM_KEY, TailReplayConfig, with_overrides
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -30,7 +30,7 @@ from sglang.srt.runtime_context import get_exec, mamba_cache_chunk_size, mamba_c
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 
-BACKEND_NAME = "tail_replay"
+__all__ = ["BACKEND_NAME", "TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_cache_factory"]
 
 
 def request_plan(req) -> Optional[ReplayPlan]:
@@ -39,7 +39,7 @@ def request_plan(req) -> Optional[ReplayPlan]:
 
 def request_config(base: TailReplayConfig, req) -> TailReplayConfig:
     """The server's config with the request's `custom_params["tail_replay"]` overrides
-    (validated when the request arrived, see patches/tail_replay_kv.py)."""
+    (validated when the request arrived, see patches/tail_replay_request.py)."""
     custom = getattr(req.sampling_params, "custom_params", None) or {}
     return with_overrides(base, custom.get(REQUEST_PARAM_KEY))
 

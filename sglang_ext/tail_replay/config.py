@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+#: `--radix-cache-backend` name of Tail-Replay
+BACKEND_NAME = "tail_replay"
 KV_MODES = ("exact", "recompute")
 #: per-request overrides: `sampling_params.custom_params["tail_replay"] = {"budget": 0.1, ...}`
 REQUEST_PARAM_KEY = "tail_replay"
