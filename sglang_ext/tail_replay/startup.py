@@ -8,7 +8,8 @@ cannot ask for a combination the server was refused at start-up, or one it has n
 Called in the main process before SGLang starts its schedulers (`sglang_ext.launcher`, and the
 plugin's hook on `ServerArgs.resolve_once`; flags only), and again in every scheduler by
 `tail_replay_cache_factory` (`check_scheduler_start`), which sees the KV cache dtype SGLang
-resolved (`--kv-cache-dtype auto` is fp8 for checkpoints that ask for an fp8 KV cache) and logs
+resolved (`--kv-cache-dtype auto` is fp8 for checkpoints that ask for an fp8 KV cache; such a
+server must name the dtype in the flag, because requests are checked against the flag) and logs
 the summary on TP rank 0. No SGLang import here: the adapters read duck-typed SGLang objects.
 """
 
@@ -65,6 +66,18 @@ def check_start(config: TailReplayConfig, facts: ServerFacts) -> list[str]:
     return [summary_line(config, facts)]
 
 
+def check_flag_names_kv_dtype(flag: ServerFacts, resolved: ServerFacts) -> None:
+    """Refuse a quantized KV cache that the flags do not name (`--kv-cache-dtype auto` that SGLang
+    resolved from the checkpoint's quantization config): requests are checked in the tokenizer
+    process, which sees only the flag, so it must name the quantized dtype."""
+    if kv_cache_is_quantized(resolved.kv_cache_dtype) and not kv_cache_is_quantized(flag.kv_cache_dtype):
+        raise StartupError(
+            f"--kv-cache-dtype {flag.kv_cache_dtype} gave a quantized KV cache ({resolved.kv_cache_dtype}, from the "
+            "checkpoint's quantization config); with --radix-cache-backend tail_replay pass the quantized "
+            "--kv-cache-dtype explicitly (e.g. fp8_e4m3), so that requests asking for kv_mode 'exact' are refused "
+            "when they arrive")
+
+
 def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
     settings = " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config))
     limits = request_limits(config, facts)
@@ -85,11 +98,12 @@ def facts_from_server_args(server_args) -> ServerFacts:
 def check_scheduler_start(ctx, config: TailReplayConfig) -> None:
     """In each scheduler, from SGLang's TreeCacheBuildContext: refuse what cannot run (with the
     KV dtype SGLang resolved), and log the summary line once, on TP rank 0."""
+    flag = facts_from_server_args(ctx.server_args)
     runner = getattr(getattr(ctx, "tp_worker", None), "model_runner", None)
     resolved = getattr(runner, "kv_cache_dtype", None)
-    facts = ServerFacts(kv_cache_dtype=str(resolved).removeprefix("torch.")) if resolved is not None \
-        else facts_from_server_args(ctx.server_args)
+    facts = ServerFacts(kv_cache_dtype=str(resolved).removeprefix("torch.")) if resolved is not None else flag
     lines = check_start(config, facts)
+    check_flag_names_kv_dtype(flag, facts)
     if getattr(ctx, "tp_rank", 0) == 0:
         for line in lines:
             logger.info(line)

@@ -90,18 +90,23 @@ def test_summary_line_names_the_config_and_refusals():
     assert summary_line(BASE, ServerFacts()).endswith("per-request overrides refused: none")
 
 
-def _ctx(tp_rank, pool_dtype):
+def _ctx(tp_rank, pool_dtype, flag="auto"):
     runner = SimpleNamespace(kv_cache_dtype=pool_dtype)
     return SimpleNamespace(tp_rank=tp_rank, tp_worker=SimpleNamespace(model_runner=runner),
-                           server_args=SimpleNamespace(kv_cache_dtype="auto"))
+                           server_args=SimpleNamespace(kv_cache_dtype=flag))
 
 
 def test_scheduler_check_uses_the_resolved_kv_dtype_and_logs_on_rank_0_only(caplog):
     import torch
 
+    recompute = TailReplayConfig(kv_mode="recompute")
     # `--kv-cache-dtype auto` that SGLang resolved to fp8 (a checkpoint asking for an fp8 KV cache)
     with pytest.raises(StartupError, match="float8_e4m3fn"):
         check_scheduler_start(_ctx(0, torch.float8_e4m3fn), BASE)
+    # ... is refused in recompute mode too: the request check sees only the flag, which must name it
+    with pytest.raises(StartupError, match=r"--kv-cache-dtype auto gave a quantized KV cache .*explicitly"):
+        check_scheduler_start(_ctx(0, torch.float8_e4m3fn), recompute)
+    check_scheduler_start(_ctx(1, torch.float8_e4m3fn, flag="fp8_e4m3"), recompute)
     with caplog.at_level(logging.INFO, logger="sglang_ext.tail_replay.startup"):
         check_scheduler_start(_ctx(1, torch.bfloat16), BASE)
         assert not caplog.records
