@@ -5,11 +5,10 @@ with one clear line, the summary line is logged, and the plain-SGLang plugin pat
 Two servers, booted side by side for the module:
 - "pure" (patched launcher): Tail-Replay with `keep_checkpoints: false`, so the state pool holds
   one slot per running request (2 here), and 64-token prefill chunks. Without the refusal, a
-  single request overriding `keep_checkpoints: true` with a prompt longer than two chunks crashed
-  this server: each chunk boundary stores a checkpoint into the tree, which needs a fresh state
-  slot, and the second one finds the pool full (its own slot plus the first checkpoint, locked
-  by the request) -> `AssertionError: Can not alloc mamba cache` in the scheduler. Two such
-  requests at once crash it the same way.
+  single request overriding `keep_checkpoints: true` with a prompt longer than one chunk crashed
+  this server (measured with 100-600-token prompts): at the chunk boundary the request stores a
+  checkpoint into the tree, which needs a fresh state slot, and finds none ->
+  `AssertionError: Can not alloc mamba cache` in the scheduler (docs/gpu_deployment.md).
 - "plugin": SGLang's own launcher (`python -m sglang.launch_server`) with the extension coming
   only from its `sglang.srt.plugins` entry point; see `PluginServer`.
 """
