@@ -9,7 +9,7 @@ Each module in this package patches one SGLang seam and names the file it target
 - mode "gpu": only the extension's own seams and the request check (`request_token_ids`);
   SGLang's fast paths stay untouched.
 
-Applying twice is a no-op. Spawned SGLang children re-apply via `sglang_ext.env`'s
+Applying a module twice is a no-op. Spawned SGLang children re-apply via `sglang_ext.env`'s
 `SGLANG_EXT_PATCH_MODE` (see `sglang_ext.bootstrap`).
 """
 
@@ -43,17 +43,26 @@ _applied: list[str] = []
 
 
 def apply_patches(mode: str) -> list[str]:
-    """Apply the patch set for `mode` once per process; return the modules applied."""
+    """Apply the patch set for `mode` (each module once per process); return the modules applied."""
     if mode not in ("cpu", "gpu"):
         raise ValueError(f"patch mode must be 'cpu' or 'gpu', got {mode!r}")
     check_sglang_version()   # every call: a launcher must refuse a wrong SGLang even if patched
-    if _applied:
-        return list(_applied)
-    names = (CPU_PATCHES if mode == "cpu" else ()) + EXT_PATCHES
+    return _apply((CPU_PATCHES if mode == "cpu" else ()) + EXT_PATCHES)
+
+
+def apply_cpu_patches() -> list[str]:
+    """Only the CPU patch set (no extension seams): for a process whose extension seams come
+    from the SGLang plugin entry point alone (see tests/e2e/test_request_hardening.py)."""
+    check_sglang_version()
+    return _apply(CPU_PATCHES)
+
+
+def _apply(names: tuple[str, ...]) -> list[str]:
     for name in names:
-        importlib.import_module(f"patches.{name}").apply()
-        _applied.append(name)
-    logger.debug("sglang_ext applied patches: %s", names)
+        if name not in _applied:
+            importlib.import_module(f"patches.{name}").apply()
+            _applied.append(name)
+    logger.debug("sglang_ext applied patches: %s", _applied)
     return list(_applied)
 
 

@@ -1,8 +1,17 @@
-"""Validate a request's Tail-Replay overrides when it arrives, so a bad one is that request's HTTP
-400 naming the key, never a scheduler crash.
+"""Validate the request fields Tail-Replay reads when the request arrives, so a bad one is that
+request's HTTP 400 naming the field, never an HTTP 500 or a scheduler crash.
 
-Target (SGLang 0.5.23): `srt/sampling/sampling_params.py::SamplingParams.verify`
-(`custom_params["tail_replay"]`).
+Target (SGLang 0.5.23): `srt/sampling/sampling_params.py::SamplingParams.verify`, which the
+tokenizer manager calls for every request (`_create_tokenized_object`) inside
+`generate_request`; the HTTP server answers a ValueError raised there with 400 (a streamed
+request gets an error event), anything else with 500.
+
+Fields read by the extension: `sampling_params.custom_params` (must be a JSON object) and its
+`"tail_replay"` entry (an object of known config keys with valid values; see
+`tail_replay.config.request_overrides`), plus the server's refusals decided at start-up
+(`tail_replay.startup.request_limits`: `keep_checkpoints: true` on a server without checkpoints,
+`kv_mode: "exact"` on a quantized KV cache). Servers not running `--radix-cache-backend
+tail_replay` are left to SGLang's own checks. (`input_ids` are checked by `request_token_ids`.)
 """
 
 from __future__ import annotations
@@ -12,16 +21,37 @@ import functools
 TARGET = "srt/sampling/sampling_params.py: SamplingParams.verify"
 
 
+def _server_limits():
+    """(config, RequestLimits) of this server, or None when it does not run Tail-Replay, from
+    the server args SGLang published in this process and the config (parsed once)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    server_args = get_server_args()
+    return _limits_for(getattr(server_args, "radix_cache_backend", None),
+                       str(getattr(server_args, "kv_cache_dtype", None) or "auto"))
+
+
+@functools.lru_cache(maxsize=4)
+def _limits_for(radix_cache_backend, kv_cache_dtype: str):
+    from sglang_ext.env import read_tail_replay_config
+    from sglang_ext.tail_replay.config import BACKEND_NAME
+    from sglang_ext.tail_replay.startup import ServerFacts, request_limits
+
+    if radix_cache_backend != BACKEND_NAME:
+        return None
+    config = read_tail_replay_config()
+    return config, request_limits(config, ServerFacts(kv_cache_dtype=kv_cache_dtype))
+
+
 def _wrap_verify(original):
     @functools.wraps(original)
     def verify(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        from sglang_ext.env import read_tail_replay_config
-        from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, with_overrides
+        server = _server_limits()
+        if server is not None:
+            from sglang_ext.tail_replay.config import request_overrides
 
-        overrides = (self.custom_params or {}).get(REQUEST_PARAM_KEY)
-        if overrides is not None:
-            with_overrides(read_tail_replay_config(), overrides)
+            request_overrides(server[0], self.custom_params, server[1])
 
     return verify
 

@@ -6,6 +6,7 @@ to apply the runtime patches before SGLang is imported (processes are started wi
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -38,9 +39,16 @@ def read_env() -> ExtEnv:
 
 
 def read_tail_replay_config():
+    """The server's Tail-Replay config from `SGLANG_EXT_TAIL_REPLAY_CONFIG`, parsed once per
+    process and value of the variable (requests call this: no JSON or file read per request)."""
+    return _parsed_tail_replay_config(os.environ.get(TAIL_REPLAY_CONFIG_VAR))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_tail_replay_config(text: str | None):
     from sglang_ext.tail_replay.config import parse_config
 
-    return parse_config(os.environ.get(TAIL_REPLAY_CONFIG_VAR))
+    return parse_config(text)
 
 
 def export_tail_replay_config(text: str) -> None:

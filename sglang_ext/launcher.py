@@ -121,6 +121,18 @@ def _export_tail_replay_config(text: str | None) -> None:
     export_tail_replay_config(text)
 
 
+def _check_tail_replay_start(server_args) -> None:
+    """With `--radix-cache-backend tail_replay`: the config (flag or env) against the server's
+    flags, once, before SGLang starts a scheduler (see tail_replay/startup.py)."""
+    from sglang_ext.plugin import check_main_process, selects_tail_replay
+
+    if selects_tail_replay(server_args):
+        try:
+            check_main_process(server_args)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+
+
 def serve(argv: list[str]) -> None:
     """Apply patches for the chosen mode, then run SGLang's own server entry point."""
     argv, tail_replay_config = _pop_flag(argv, TAIL_REPLAY_CONFIG_FLAG)
@@ -141,6 +153,7 @@ def serve(argv: list[str]) -> None:
 
     load_plugins()
     server_args = prepare_server_args(plan.argv)
+    _check_tail_replay_start(server_args)
     try:
         run_server(server_args)
     finally:

@@ -1,20 +1,74 @@
 """What SGLang's `sglang.srt.plugins` entry point runs in every SGLang process.
 
-With the patched launcher the patches are already applied (this is then a no-op). Under a
-plain `sglang serve` on a GPU it checks the SGLang version and applies the extension's own
-seams ("gpu" mode); the CPU patch set is never applied from here, because SGLang loads
-plugins after it has imported `sgl_kernel`.
+SGLang calls `register()` early in each process (main, schedulers, detokenizer), before the
+main process has parsed its arguments. It patches only servers that select
+`--radix-cache-backend tail_replay`:
+
+- With `SGLANG_EXT_PATCH_MODE` set (by the patched launcher, or by the main process below for
+  its children) the patches of that mode are applied (a no-op where the launcher already did)
+  and the backend is registered.
+- Otherwise (the main process of a plain `sglang serve` / `python -m sglang.launch_server` /
+  `sglang.Engine`, and every process of a server that does not use Tail-Replay) it only hooks
+  `ServerArgs.resolve_once`, which every launch path runs in the main process before any child
+  starts. When the arguments select `tail_replay`, the hook validates the config
+  (`SGLANG_EXT_TAIL_REPLAY_CONFIG`) and its combination with the server flags once, exiting
+  with one clear line on an error; then applies the extension's own seams ("gpu" mode) in
+  this process and exports the mode, so the children apply them too. Any other server is left
+  untouched.
+
+The CPU patch set is never applied from here, because SGLang loads plugins after it has
+imported `sgl_kernel`.
 """
 
 from __future__ import annotations
 
-from sglang_ext.env import read_env
+from sglang_ext.env import export_patch_mode, read_env
+
+#: the SGLang method hooked in the main process (its first argument is the ServerArgs)
+RESOLVE_TARGET = "sglang.srt.server_args.ServerArgs.resolve_once"
 
 
 def register() -> None:
+    mode = read_env().patch_mode
+    if mode is not None:
+        _apply(mode)
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(RESOLVE_TARGET, before_resolve, HookType.BEFORE)
+
+
+def before_resolve(server_args, *args, **kwargs):
+    """BEFORE hook on `ServerArgs.resolve_once` (main process, plain-SGLang launch)."""
+    if read_env().patch_mode is None and selects_tail_replay(server_args):
+        try:
+            check_main_process(server_args)
+        except ValueError as exc:
+            raise SystemExit(f"sglang_ext: error: {exc}") from None
+        export_patch_mode("gpu")   # inherited by every child SGLang starts from here on
+        _apply("gpu")
+    return None
+
+
+def selects_tail_replay(server_args) -> bool:
+    from sglang_ext.tail_replay.config import BACKEND_NAME
+
+    return getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME
+
+
+def check_main_process(server_args) -> list[str]:
+    """Parse the server's Tail-Replay config and check it against the flags; raise ValueError
+    (TailReplayConfigError / StartupError) naming the key or both flags; return the summary."""
+    from sglang_ext.env import read_tail_replay_config
+    from sglang_ext.tail_replay.startup import check_start, facts_from_server_args
+
+    return check_start(read_tail_replay_config(), facts_from_server_args(server_args))
+
+
+def _apply(mode: str) -> None:
     from patches import apply_patches
 
-    apply_patches(read_env().patch_mode or "gpu")
+    apply_patches(mode)
     register_cache_backends()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -69,3 +70,19 @@ def test_serve_on_a_wrong_sglang_version_exits_with_a_clear_error(monkeypatch, c
 
 def test_supported_version_passes():
     check_sglang_version(SUPPORTED_SGLANG_VERSION)
+
+
+@pytest.mark.parametrize("config, kv_dtype, needle", [
+    ('{"bugdet": 0.1}', "auto", "'bugdet': unknown key"),                       # from the env, not the flag
+    ('{"budget": 0.1}', "fp8_e4m3", "--kv-cache-dtype fp8_e4m3 (a quantized KV cache) cannot run"),
+])
+def test_tail_replay_start_is_checked_in_the_main_process(monkeypatch, config, kv_dtype, needle):
+    from types import SimpleNamespace
+
+    from sglang_ext import env
+    from sglang_ext.launcher import _check_tail_replay_start
+
+    monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, config)
+    with pytest.raises(LaunchError, match=re.escape(needle)):
+        _check_tail_replay_start(SimpleNamespace(radix_cache_backend="tail_replay", kv_cache_dtype=kv_dtype))
+    _check_tail_replay_start(SimpleNamespace(radix_cache_backend=None, kv_cache_dtype=kv_dtype))  # not ours

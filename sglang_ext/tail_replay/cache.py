@@ -195,6 +195,7 @@ def tail_replay_cache_factory(ctx):
     from sglang_ext.env import read_tail_replay_config
 
     config = read_tail_replay_config()
+    from sglang_ext.tail_replay.startup import check_scheduler_start; check_scheduler_start(ctx, config)  # noqa: E702
     if not ctx.is_hybrid_ssm:
         raise ValueError("--radix-cache-backend tail_replay needs a hybrid model with linear-attention "
                          "or SSM layers (GDN, Mamba-2); this model has none")

@@ -80,6 +80,52 @@ def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfi
     return replace(base, **overrides)
 
 
+#: how the fields a request can set are named in errors
+CUSTOM_PARAMS_FIELD = "sampling_params.custom_params"
+OVERRIDES_FIELD = f"{CUSTOM_PARAMS_FIELD}[{REQUEST_PARAM_KEY!r}]"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Override values a server refuses, decided once at start-up from its config and flags
+    (see `tail_replay.startup.request_limits`). Each field: None (allowed) or the reason."""
+    #: why `keep_checkpoints: true` is refused (the state pool has no slot for a checkpoint)
+    checkpoints_refused: str | None = None
+    #: why `kv_mode: "exact"` is refused (a quantized KV cache)
+    exact_kv_refused: str | None = None
+
+
+def request_overrides(base: TailReplayConfig, custom_params: object,
+                      limits: RequestLimits = RequestLimits()) -> TailReplayConfig:
+    """The config a request runs with: `base` plus `custom_params["tail_replay"]`.
+
+    Every field the extension reads from a request is checked here; a bad one raises
+    TailReplayConfigError (a ValueError: SGLang answers that request with HTTP 400) whose message
+    names the field, so no malformed request reaches the scheduler."""
+    if custom_params is None:
+        return base
+    if not isinstance(custom_params, dict):
+        raise TailReplayConfigError(
+            f"{CUSTOM_PARAMS_FIELD} must be a JSON object, got {type(custom_params).__name__} {custom_params!r:.60}")
+    overrides = custom_params.get(REQUEST_PARAM_KEY)
+    if overrides is None:
+        return base
+    if not isinstance(overrides, dict):
+        raise TailReplayConfigError(
+            f"{OVERRIDES_FIELD} must be a JSON object, got {type(overrides).__name__} {overrides!r:.60}")
+    try:
+        config = with_overrides(base, overrides)
+    except TailReplayConfigError as exc:
+        raise TailReplayConfigError(f"{OVERRIDES_FIELD}: {exc}") from None
+    if overrides.get("keep_checkpoints") is True and limits.checkpoints_refused:
+        raise TailReplayConfigError(f"{OVERRIDES_FIELD}: key 'keep_checkpoints': true is refused on this "
+                                    f"server: {limits.checkpoints_refused}")
+    if overrides.get("kv_mode") == "exact" and limits.exact_kv_refused:
+        raise TailReplayConfigError(f"{OVERRIDES_FIELD}: key 'kv_mode': 'exact' is refused on this "
+                                    f"server: {limits.exact_kv_refused}")
+    return config
+
+
 def parse_config(text: str | None) -> TailReplayConfig:
     """Parse a JSON object, or the path of a JSON file; None or '' gives the defaults."""
     if not text:

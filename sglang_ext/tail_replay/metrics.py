@@ -1,6 +1,12 @@
 """Prometheus counters for Tail-Replay (served on SGLang's /metrics with --enable-metrics),
 and the per-request summary put into `meta_info`. Recorded once per request, at its first
-forward, in the scheduler process (SGLang runs prometheus_client in multiprocess mode)."""
+forward, in the scheduler process (SGLang runs prometheus_client in multiprocess mode).
+
+Under tensor / context / pipeline parallelism every rank of a model replica runs the same batch,
+so the counters are recorded only on the replica's first rank (attention-TP rank 0, attention-CP
+rank 0, PP rank 0), as SGLang gates its own scheduler statistics on `attn_tp_rank == 0 and
+attn_cp_rank == 0`; the counters carry no rank label, so each request is counted once per
+replica (each DP replica serves its own requests). The meta_info summary is unaffected."""
 
 from __future__ import annotations
 
@@ -24,7 +30,21 @@ def _counters():
     }
 
 
+def is_recording_rank(attn_tp_rank: int, attn_cp_rank: int = 0, pp_rank: int = 0) -> bool:
+    """Whether a scheduler with these ranks records the counters (pure)."""
+    return attn_tp_rank == 0 and attn_cp_rank == 0 and pp_rank == 0
+
+
+def _this_rank_records() -> bool:
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return is_recording_rank(parallel.attn_tp_rank, parallel.attn_cp_rank, parallel.pp_rank)
+
+
 def record_plan(plan: ReplayPlan) -> None:
+    if not _this_rank_records():
+        return
     counters = _counters()
     counters["matched"].inc(plan.matched_tokens)
     counters["reused"].inc(plan.prefix_len)

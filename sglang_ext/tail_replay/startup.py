@@ -1,0 +1,109 @@
+"""Start-up checks of Tail-Replay against the server's other flags, and the summary line.
+
+Pure: a function of the Tail-Replay config and a few server facts (`ServerFacts`), giving either
+the summary line(s) to log or a `StartupError` naming both sides of a refused combination. The
+same facts decide which per-request overrides a server refuses (`request_limits`), so a request
+cannot ask for a combination the server was refused at start-up, or one it has no room for.
+
+Called in the main process before SGLang starts its schedulers (`sglang_ext.launcher`, and the
+plugin's hook on `ServerArgs.resolve_once`; flags only), and again in every scheduler by
+`tail_replay_cache_factory` (`check_scheduler_start`), which sees the KV cache dtype SGLang
+resolved (`--kv-cache-dtype auto` is fp8 for checkpoints that ask for an fp8 KV cache; such a
+server must name the dtype in the flag, because requests are checked against the flag) and logs
+the summary on TP rank 0. No SGLang import here: the adapters read duck-typed SGLang objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+
+from sglang_ext.tail_replay.config import RequestLimits, TailReplayConfig
+
+logger = logging.getLogger(__name__)
+
+#: KV cache dtypes (SGLang's `--kv-cache-dtype` values, or torch dtype names) that store K/V at
+#: 16 or 32 bits; every other value (fp8_e4m3, fp8_e5m2, mxfp8, nvfp4, ...) is a quantized cache.
+UNQUANTIZED_KV_DTYPES = ("auto", "bf16", "bfloat16", "fp16", "float16", "half", "fp32", "float32", "float")
+
+
+class StartupError(ValueError):
+    """A combination of Tail-Replay config and server flags that cannot run; names both."""
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    #: `--kv-cache-dtype` (main process) or the dtype SGLang resolved for the KV pool (scheduler)
+    kv_cache_dtype: str = "auto"
+
+
+def kv_cache_is_quantized(kv_cache_dtype: str) -> bool:
+    name = str(kv_cache_dtype).removeprefix("torch.")
+    return name not in UNQUANTIZED_KV_DTYPES
+
+
+def request_limits(config: TailReplayConfig, facts: ServerFacts) -> RequestLimits:
+    """Which overrides this server refuses, and why (the reason goes into the HTTP 400)."""
+    checkpoints = None
+    if not config.keep_checkpoints:
+        checkpoints = ("it runs with the Tail-Replay config keep_checkpoints false, so its state pool "
+                       "holds one slot per running request and has none for a checkpoint")
+    exact = None
+    if kv_cache_is_quantized(facts.kv_cache_dtype):
+        exact = (f"its KV cache is quantized (--kv-cache-dtype {facts.kv_cache_dtype}); exact-KV replay "
+                 "needs an unquantized KV cache, so only kv_mode 'recompute' runs here")
+    return RequestLimits(checkpoints_refused=checkpoints, exact_kv_refused=exact)
+
+
+def check_start(config: TailReplayConfig, facts: ServerFacts) -> list[str]:
+    """The summary line(s) for this server, or StartupError for a combination that cannot run."""
+    if config.kv_mode == "exact" and kv_cache_is_quantized(facts.kv_cache_dtype):
+        raise StartupError(
+            f"--kv-cache-dtype {facts.kv_cache_dtype} (a quantized KV cache) cannot run with the "
+            "Tail-Replay config kv_mode 'exact' (the default), which copies the tree's cached K/V into "
+            "the forward unquantized; set kv_mode 'recompute' in --tail-replay-config / "
+            "SGLANG_EXT_TAIL_REPLAY_CONFIG, or use an unquantized --kv-cache-dtype")
+    return [summary_line(config, facts)]
+
+
+def check_flag_names_kv_dtype(flag: ServerFacts, resolved: ServerFacts) -> None:
+    """Refuse a quantized KV cache that the flags do not name (`--kv-cache-dtype auto` that SGLang
+    resolved from the checkpoint's quantization config): requests are checked in the tokenizer
+    process, which sees only the flag, so it must name the quantized dtype."""
+    if kv_cache_is_quantized(resolved.kv_cache_dtype) and not kv_cache_is_quantized(flag.kv_cache_dtype):
+        raise StartupError(
+            f"--kv-cache-dtype {flag.kv_cache_dtype} gave a quantized KV cache ({resolved.kv_cache_dtype}, from the "
+            "checkpoint's quantization config); with --radix-cache-backend tail_replay pass the quantized "
+            "--kv-cache-dtype explicitly (e.g. fp8_e4m3), so that requests asking for kv_mode 'exact' are refused "
+            "when they arrive")
+
+
+def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
+    settings = " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config))
+    limits = request_limits(config, facts)
+    refused = [f"keep_checkpoints=true ({limits.checkpoints_refused})" if limits.checkpoints_refused else None,
+               f"kv_mode='exact' ({limits.exact_kv_refused})" if limits.exact_kv_refused else None]
+    refused = [r for r in refused if r] or ["none"]
+    return (f"Tail-Replay config in force: {settings}; kv cache dtype {facts.kv_cache_dtype}; "
+            f"per-request overrides refused: {'; '.join(refused)}")
+
+
+# ------------------------------------------------------------------ adapters (duck-typed)
+
+def facts_from_server_args(server_args) -> ServerFacts:
+    """Facts from SGLang's ServerArgs (flags as given; main process or tokenizer)."""
+    return ServerFacts(kv_cache_dtype=str(getattr(server_args, "kv_cache_dtype", None) or "auto"))
+
+
+def check_scheduler_start(ctx, config: TailReplayConfig) -> None:
+    """In each scheduler, from SGLang's TreeCacheBuildContext: refuse what cannot run (with the
+    KV dtype SGLang resolved), and log the summary line once, on TP rank 0."""
+    flag = facts_from_server_args(ctx.server_args)
+    runner = getattr(getattr(ctx, "tp_worker", None), "model_runner", None)
+    resolved = getattr(runner, "kv_cache_dtype", None)
+    facts = ServerFacts(kv_cache_dtype=str(resolved).removeprefix("torch.")) if resolved is not None else flag
+    lines = check_start(config, facts)
+    check_flag_names_kv_dtype(flag, facts)
+    if getattr(ctx, "tp_rank", 0) == 0:
+        for line in lines:
+            logger.info(line)

@@ -1,0 +1,100 @@
+"""The SGLang-facing adapters of the serving hardening, without a server: counters only on the
+first rank of a replica (ranks faked through SGLang's own `get_parallel().override`), the request
+check's per-server limits, and the plugin patching only servers that select tail_replay."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import patches
+
+patches.apply_patches("cpu")  # before any SGLang import
+
+import pytest  # noqa: E402
+from prometheus_client import REGISTRY  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from patches import tail_replay_request  # noqa: E402
+from sglang_ext import env  # noqa: E402
+from sglang_ext.tail_replay.metrics import is_recording_rank, record_plan  # noqa: E402
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
+
+PLAN = ReplayPlan(HitKind.APPROXIMATE, matched_tokens=100, prefix_len=90, replay_start=90)
+
+
+def _matched_total() -> float:
+    return REGISTRY.get_sample_value("sglang_ext:tail_replay_matched_tokens_total") or 0.0
+
+
+@pytest.mark.parametrize("ranks, records", [
+    ((0, 0, 0), True), ((1, 0, 0), False), ((3, 0, 0), False), ((0, 1, 0), False), ((0, 0, 1), False),
+])
+def test_counters_are_recorded_on_the_first_rank_only(ranks, records):
+    assert is_recording_rank(*ranks) is records
+    tp, cp, pp = ranks
+    before = _matched_total()
+    with get_parallel().override(attn_tp_rank=tp, attn_cp_rank=cp, pp_rank=pp):
+        record_plan(PLAN)
+    assert _matched_total() - before == (100 if records else 0)
+
+
+def test_request_limits_per_server(monkeypatch):
+    monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, '{"kv_mode": "recompute", "keep_checkpoints": false}')
+    tail_replay_request._limits_for.cache_clear()
+    try:
+        assert tail_replay_request._limits_for("radix", "auto") is None   # not a Tail-Replay server
+        config, limits = tail_replay_request._limits_for("tail_replay", "fp8_e4m3")
+        assert config.kv_mode == "recompute" and limits.exact_kv_refused and limits.checkpoints_refused
+    finally:
+        tail_replay_request._limits_for.cache_clear()
+
+
+def test_verify_refuses_through_the_servers_limits(monkeypatch):
+    monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, '{"keep_checkpoints": false}')
+    tail_replay_request._limits_for.cache_clear()
+    server = {"backend": "tail_replay"}
+    monkeypatch.setattr(tail_replay_request, "_server_limits",
+                        lambda: tail_replay_request._limits_for(server["backend"], "auto"))
+    verify = tail_replay_request._wrap_verify(lambda self, vocab_size: None)
+    try:
+        for bad in ("x", {"tail_replay": {"keep_checkpoints": True}}):
+            with pytest.raises(ValueError):
+                verify(SamplingParams(custom_params=bad), 1000)
+        verify(SamplingParams(custom_params={"tail_replay": {"budget": 0.5}}), 1000)
+        server["backend"] = None          # another backend: SGLang's own checks only
+        verify(SamplingParams(custom_params="x"), 1000)
+    finally:
+        tail_replay_request._limits_for.cache_clear()
+
+
+PLUGIN_PROBE = textwrap.dedent("""
+    import os
+    from types import SimpleNamespace
+    from patches import apply_cpu_patches, applied_patches
+    apply_cpu_patches()          # stands in for a GPU machine's SGLang import
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang_ext import plugin
+    cpu_only = applied_patches()
+    plugin.register()
+    assert [h[1] for h in HookRegistry._hooks[plugin.RESOLVE_TARGET]] == [plugin.before_resolve]
+    assert applied_patches() == cpu_only, "register() alone must not patch"
+    plugin.before_resolve(SimpleNamespace(radix_cache_backend=None, kv_cache_dtype="auto"))
+    assert applied_patches() == cpu_only and "SGLANG_EXT_PATCH_MODE" not in os.environ
+    plugin.before_resolve(SimpleNamespace(radix_cache_backend="tail_replay", kv_cache_dtype="auto"))
+    assert "tail_replay_request" in applied_patches() and os.environ["SGLANG_EXT_PATCH_MODE"] == "gpu"
+    from sglang.srt.mem_cache.registry import registered_radix_cache_backends
+    assert "tail_replay" in registered_radix_cache_backends()
+    print("plugin-probe-ok")
+""")
+
+
+def test_plugin_patches_only_servers_that_select_tail_replay():
+    environ = {k: v for k, v in os.environ.items() if k != env.PATCH_MODE_VAR}
+    proc = subprocess.run([sys.executable, "-c", PLUGIN_PROBE], capture_output=True, text=True, timeout=300,
+                          env={**environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "plugin-probe-ok" in proc.stdout

@@ -1,0 +1,129 @@
+"""Start-up checks, per-request limits, request-field validation and the cached config reader
+(pure parts; the live-server side is tests/e2e/test_request_hardening.py)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ext import env
+from sglang_ext.tail_replay.config import (RequestLimits, TailReplayConfig, TailReplayConfigError,
+                                           request_overrides)
+from sglang_ext.tail_replay.startup import (ServerFacts, StartupError, check_scheduler_start, check_start,
+                                            kv_cache_is_quantized, request_limits, summary_line)
+
+BASE = TailReplayConfig()
+NO_CKPT = TailReplayConfig(keep_checkpoints=False)
+FP8 = ServerFacts(kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("custom, needle", [
+    ("x", "sampling_params.custom_params must be a JSON object, got str"),
+    ([1, 2], "sampling_params.custom_params must be a JSON object, got list"),
+    (3, "sampling_params.custom_params must be a JSON object, got int"),
+    ({"tail_replay": "x"}, "sampling_params.custom_params['tail_replay'] must be a JSON object, got str"),
+    ({"tail_replay": [1]}, "sampling_params.custom_params['tail_replay'] must be a JSON object, got list"),
+    ({"tail_replay": {"window": 3}}, "['tail_replay']: tail-replay config key 'window': unknown key"),
+    ({"tail_replay": {"budget": "0.1"}}, "'budget': has the wrong type"),
+    ({"tail_replay": {"keep_checkpoints": 1}}, "'keep_checkpoints': has the wrong type"),
+    ({"tail_replay": {"budget": 1.5}}, "'budget': must be in [0, 1]"),
+    ({"tail_replay": {"min_replay_tokens": -1}}, "'min_replay_tokens': must be >= 0"),
+    ({"tail_replay": {"max_replay_tokens": 8}}, "'max_replay_tokens': must be >= min_replay_tokens"),
+    ({"tail_replay": {"kv_mode": "fast"}}, "'kv_mode': must be one of"),
+])
+def test_malformed_request_fields_name_the_field(custom, needle):
+    with pytest.raises(ValueError) as err:   # SGLang answers a ValueError from verify with HTTP 400
+        request_overrides(BASE, custom)
+    assert needle in str(err.value)
+
+
+def test_well_formed_requests_get_their_config():
+    assert request_overrides(BASE, None) is BASE
+    assert request_overrides(BASE, {"other_plugin": [1]}) is BASE       # other custom params pass through
+    assert request_overrides(BASE, {"tail_replay": None}) is BASE
+    assert request_overrides(BASE, {"tail_replay": {"budget": 0.5}}).budget == 0.5
+    assert request_overrides(NO_CKPT, {"tail_replay": {"keep_checkpoints": False}}) == NO_CKPT
+
+
+def test_refused_overrides_name_the_key_and_the_server_setting():
+    limits = request_limits(NO_CKPT, ServerFacts())
+    with pytest.raises(TailReplayConfigError, match=r"'keep_checkpoints': true is refused .*keep_checkpoints false"):
+        request_overrides(NO_CKPT, {"tail_replay": {"keep_checkpoints": True}}, limits)
+    # the same override is fine on a server with checkpoints
+    ok = request_overrides(BASE, {"tail_replay": {"keep_checkpoints": True}}, request_limits(BASE, ServerFacts()))
+    assert ok.keep_checkpoints
+    recompute = TailReplayConfig(kv_mode="recompute")
+    with pytest.raises(TailReplayConfigError, match=r"'kv_mode': 'exact' is refused .*--kv-cache-dtype fp8_e4m3"):
+        request_overrides(recompute, {"tail_replay": {"kv_mode": "exact"}}, request_limits(recompute, FP8))
+    assert request_overrides(recompute, {"tail_replay": {"budget": 0.2}}, request_limits(recompute, FP8)).budget == 0.2
+
+
+def test_limits_follow_config_and_kv_dtype():
+    assert request_limits(BASE, ServerFacts()) == RequestLimits()
+    assert request_limits(NO_CKPT, ServerFacts()).checkpoints_refused
+    assert request_limits(BASE, FP8).exact_kv_refused and not request_limits(BASE, FP8).checkpoints_refused
+
+
+@pytest.mark.parametrize("dtype, quantized", [
+    ("auto", False), ("bfloat16", False), ("bf16", False), ("float16", False), ("torch.float32", False),
+    ("fp8_e4m3", True), ("fp8_e5m2", True), ("mxfp8", True), ("nvfp4", True), ("torch.float8_e4m3fn", True),
+])
+def test_kv_cache_is_quantized(dtype, quantized):
+    assert kv_cache_is_quantized(dtype) is quantized
+
+
+def test_exact_kv_with_a_quantized_cache_is_refused_naming_both_flags():
+    with pytest.raises(StartupError) as err:
+        check_start(BASE, FP8)
+    assert "--kv-cache-dtype fp8_e4m3" in str(err.value) and "kv_mode 'exact'" in str(err.value)
+    lines = check_start(TailReplayConfig(kv_mode="recompute"), FP8)
+    assert len(lines) == 1 and "kv_mode='recompute'" in lines[0] and "kv_mode='exact' (its KV cache" in lines[0]
+
+
+def test_summary_line_names_the_config_and_refusals():
+    line = summary_line(NO_CKPT, ServerFacts())
+    assert line.startswith("Tail-Replay config in force: budget=0.05 min_replay_tokens=64")
+    assert "keep_checkpoints=False kv_mode='exact'" in line
+    assert "per-request overrides refused: keep_checkpoints=true (" in line
+    assert summary_line(BASE, ServerFacts()).endswith("per-request overrides refused: none")
+
+
+def _ctx(tp_rank, pool_dtype, flag="auto"):
+    runner = SimpleNamespace(kv_cache_dtype=pool_dtype)
+    return SimpleNamespace(tp_rank=tp_rank, tp_worker=SimpleNamespace(model_runner=runner),
+                           server_args=SimpleNamespace(kv_cache_dtype=flag))
+
+
+def test_scheduler_check_uses_the_resolved_kv_dtype_and_logs_on_rank_0_only(caplog):
+    import torch
+
+    recompute = TailReplayConfig(kv_mode="recompute")
+    # `--kv-cache-dtype auto` that SGLang resolved to fp8 (a checkpoint asking for an fp8 KV cache)
+    with pytest.raises(StartupError, match="float8_e4m3fn"):
+        check_scheduler_start(_ctx(0, torch.float8_e4m3fn), BASE)
+    # ... is refused in recompute mode too: the request check sees only the flag, which must name it
+    with pytest.raises(StartupError, match=r"--kv-cache-dtype auto gave a quantized KV cache .*explicitly"):
+        check_scheduler_start(_ctx(0, torch.float8_e4m3fn), recompute)
+    check_scheduler_start(_ctx(1, torch.float8_e4m3fn, flag="fp8_e4m3"), recompute)
+    with caplog.at_level(logging.INFO, logger="sglang_ext.tail_replay.startup"):
+        check_scheduler_start(_ctx(1, torch.bfloat16), BASE)
+        assert not caplog.records
+        check_scheduler_start(_ctx(0, torch.bfloat16), BASE)
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["Tail-Replay config in force"]
+    assert "kv cache dtype bfloat16" in caplog.records[0].getMessage()
+
+
+def test_server_config_is_parsed_once_per_process(monkeypatch, tmp_path):
+    path = tmp_path / "tr.json"
+    path.write_text('{"budget": 0.25}')
+    monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, str(path))
+    env._parsed_tail_replay_config.cache_clear()
+    first = env.read_tail_replay_config()
+    path.write_text('{"budget": 0.5}')            # not re-read: the config is fixed at start-up
+    assert env.read_tail_replay_config() is first and first.budget == 0.25
+    assert env._parsed_tail_replay_config.cache_info().misses == 1
+    monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, '{"budget": 0.125}')
+    assert env.read_tail_replay_config().budget == 0.125
+    env._parsed_tail_replay_config.cache_clear()
