@@ -33,6 +33,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_mamba2",
     "cpu_moe",
     "cpu_nemotron_h_router",
+    "cpu_memory_budget",
 )
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_meta",
