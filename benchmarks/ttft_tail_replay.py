@@ -54,7 +54,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.flops import PrefillCost, cost_of_checkpoint  # noqa: E402
 from sglang_ext.tail_replay.config import parse_config, with_overrides  # noqa: E402
 from sglang_ext.tail_replay.planner import replay_window  # noqa: E402
+from sglang_ext.env import (  # noqa: E402
+    CPU_THREADS_VAR,
+    GOMP_SPINCOUNT_VAR,
+    KMP_BLOCKTIME_VAR,
+    MKL_NUM_THREADS_VAR,
+    OMP_NUM_THREADS_VAR,
+    OMP_WAIT_POLICY_VAR,
+)
 from sglang_ext.testing import ServerProcess, servers_running  # noqa: E402
+
+THREAD_VARS = (CPU_THREADS_VAR, OMP_NUM_THREADS_VAR, MKL_NUM_THREADS_VAR, OMP_WAIT_POLICY_VAR,
+               GOMP_SPINCOUNT_VAR, KMP_BLOCKTIME_VAR)
 
 TOKEN_LO, TOKEN_HI = 10, 500          # random prompt ids (the tiny model's vocabulary is 512)
 SERVER_BUDGET = 0.05
@@ -179,6 +190,15 @@ def sample_load(exclude_pids: list[int], allow_busy: bool) -> dict:
     load = machine_sample_load(exclude_pids=tuple(exclude_pids), seconds=1.0)
     require_quiet(load, allow_busy)
     return {**load.as_dict(), "source": "eval.machine"}
+
+
+def server_thread_env() -> dict[str, str]:
+    """Thread settings the servers run with: this process's own (inherited) plus what the CPU
+    launcher adds (`sglang_ext.launcher.cpu_thread_env`)."""
+    from sglang_ext.launcher import cpu_thread_env
+
+    inherited = {v: os.environ[v] for v in THREAD_VARS if os.environ.get(v)}
+    return {**inherited, **cpu_thread_env(os.environ, len(os.sched_getaffinity(0)))}
 
 
 def process_tree(server: ServerProcess) -> list[int]:
@@ -344,11 +364,13 @@ def run(args) -> int:
                        "linear_layers": cost.linear_layers, "attention_layers": cost.attention_layers},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                     "torch_threads": torch.get_num_threads()},
+        "server_thread_env": server_thread_env(),
         "load_start": load_start, "load_end": load_end,
         "wall_s": time.time() - started, "problems": problems, "summary": rows, "records": records,
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "table.md").write_text(f"`{command}`\n\nload at start {load_start}\n\nat end {load_end}\n\n"
+    (out / "table.md").write_text(f"`{command}`\n\nserver threads {result['server_thread_env']}\n\n"
+                                  f"load at start {load_start}\n\nat end {load_end}\n\n"
                                   f"{cost_text}\n\n{table}\n")
     print(cost_text)
     print(table)
