@@ -8,9 +8,8 @@ own seams and leaves SGLang's arguments and fast paths alone.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from sglang_ext.env import (
     CPU_THREADS_VAR,
@@ -64,9 +63,9 @@ CPU_WAIT_ENV: dict[str, str] = {
 
 def cpu_threads(cpu_count: int) -> int:
     """Compute threads per server process by default: every core the process may run on.
-    With passive waits a thread that has no core costs nothing, and measured beside busy
-    neighbours on 2 cores (benchmarks/README.md, `cpu_neighbour.py`) 2 passive threads were
-    faster than 1 (cores - 1), alone and with neighbours."""
+    With passive waits a thread that has no core costs nothing; measured on a busy 2-core
+    machine (benchmarks/README.md, `cpu_neighbour.py`) 2 passive threads were as fast as or
+    faster than 1 (cores - 1) in every median, alone and beside two busy neighbours."""
     return max(1, cpu_count)
 
 
