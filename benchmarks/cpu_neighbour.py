@@ -126,15 +126,19 @@ def server_pids(servers) -> list[int]:
     return pids
 
 
-def sample_load(exclude_pids: list[int], allow_busy: bool) -> dict:
+def sample_load(exclude_pids: list[int], allow_busy: bool, first: bool) -> dict:
     """Machine load now (eval.machine when present, else the load average only); refuses a busy
-    machine unless `allow_busy`."""
+    machine unless `allow_busy`. The load-average fallback cannot leave out this script's own
+    neighbours (and lags by a minute), so it judges only the `first` sample."""
     try:
         from eval.machine import require_quiet
         from eval.machine import sample_load as machine_sample_load
-    except ImportError:
-        load1 = os.getloadavg()[0]
-        return {"loadavg_1m": load1, "cpu_count": os.cpu_count(), "source": "os.getloadavg"}
+    except ImportError:   # until eval.machine exists: the load average against the core count
+        load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
+        if first and load1 > cpus and not allow_busy:
+            raise SystemExit(f"machine busy: 1-minute load average {load1:.1f} > {cpus} cores; "
+                             "rerun with --allow-busy to measure anyway (and say so)")
+        return {"loadavg_1m": load1, "cpu_count": cpus, "source": "os.getloadavg"}
     load = machine_sample_load(exclude_pids=tuple(exclude_pids), seconds=1.0)
     require_quiet(load, allow_busy)
     return {**load.as_dict(), "source": "eval.machine"}
@@ -264,7 +268,7 @@ def run(args) -> int:
             for phase in PHASES:
                 count = args.neighbours if phase == "neighbours" else 0
                 with Neighbours(args.neighbour_kind, count, args.neighbour_max_s) as hogs:
-                    load = sample_load(own + hogs.pids(), args.allow_busy)
+                    load = sample_load(own + hogs.pids(), args.allow_busy, first=not loads)
                     loads.append({"rep": rep, "phase": phase, **load})
                     for name in order:
                         doc = tokens(args.document)
