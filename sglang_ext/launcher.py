@@ -72,25 +72,30 @@ def cpu_threads(cpu_count: int) -> int:
 def cpu_thread_env(user_env: Mapping[str, str], cpu_count: int) -> dict[str, str]:
     """The thread variables the CPU launcher exports: only those `user_env` leaves unset.
 
-    `SGLANG_EXT_CPU_THREADS` (in `user_env`): unset / "auto" -> `cpu_threads(cpu_count)` threads;
-    an integer N >= 1 -> N threads; "keep" -> nothing (torch / OpenMP defaults: every core,
-    spinning waits). A thread count goes to OMP_NUM_THREADS and MKL_NUM_THREADS unless the user
-    set that variable; the wait policy (CPU_WAIT_ENV) likewise, variable by variable.
+    Thread count: `SGLANG_EXT_CPU_THREADS` (in `user_env`) if it is an integer N >= 1; else a
+    count the user already gave in MKL_NUM_THREADS or OMP_NUM_THREADS (torch's intra-op default
+    follows MKL_NUM_THREADS over OMP_NUM_THREADS, so both must agree: a user's OMP_NUM_THREADS=1
+    alone must not become 2 threads through an exported MKL_NUM_THREADS); else
+    `cpu_threads(cpu_count)`. It goes to whichever of the two variables is unset, and the wait
+    policy (CPU_WAIT_ENV) likewise, variable by variable. `SGLANG_EXT_CPU_THREADS=keep` exports
+    nothing (torch / OpenMP defaults: every core, spinning waits); unset or "auto" is the default.
     Raises LaunchError naming the variable on a bad value."""
     raw = (user_env.get(CPU_THREADS_VAR) or "auto").strip().lower()
     if raw == "keep":
         return {}
     if raw == "auto":
-        threads = cpu_threads(cpu_count)
+        given = user_env.get(MKL_NUM_THREADS_VAR) or user_env.get(OMP_NUM_THREADS_VAR)
+        threads = given.strip() if given else str(cpu_threads(cpu_count))
     else:
         try:
-            threads = int(raw)
+            count = int(raw)
         except ValueError:
-            threads = 0
-        if threads < 1:
+            count = 0
+        if count < 1:
             raise LaunchError(f"{CPU_THREADS_VAR}={user_env.get(CPU_THREADS_VAR)!r}: expected 'auto', "
                               f"'keep' or a thread count >= 1")
-    wanted = {OMP_NUM_THREADS_VAR: str(threads), MKL_NUM_THREADS_VAR: str(threads), **CPU_WAIT_ENV}
+        threads = str(count)
+    wanted = {OMP_NUM_THREADS_VAR: threads, MKL_NUM_THREADS_VAR: threads, **CPU_WAIT_ENV}
     return {var: value for var, value in wanted.items() if not user_env.get(var)}
 
 

@@ -63,7 +63,21 @@ def test_cpu_thread_defaults_never_override_what_the_user_set():
     user = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}
     env = cpu_thread_env(user, cpu_count=8)
     assert "OMP_NUM_THREADS" not in env and "OMP_WAIT_POLICY" not in env
-    assert env["MKL_NUM_THREADS"] == "8" and env["GOMP_SPINCOUNT"] == "0"
+    # torch's thread count follows MKL_NUM_THREADS over OMP_NUM_THREADS: it must agree with the user's
+    assert env["MKL_NUM_THREADS"] == "2" and env["GOMP_SPINCOUNT"] == "0"
+    assert cpu_thread_env({"MKL_NUM_THREADS": "3"}, cpu_count=8)["OMP_NUM_THREADS"] == "3"
+
+
+def test_torch_follows_the_thread_count_the_launcher_exports():
+    """The exported variables give torch's intra-op pool the intended size in a fresh process
+    (what SGLang's spawned scheduler is), also when the user set only OMP_NUM_THREADS."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", CPU_THREADS_VAR)}
+    for user, want in (({"OMP_NUM_THREADS": "1"}, 1), ({CPU_THREADS_VAR: "2"}, 2)):
+        env = {**base, **user}
+        env.update(cpu_thread_env(env, cpu_count=2))
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == str(want), (user, out.stderr[-500:])
 
 
 @pytest.mark.parametrize("value, threads", [("auto", "4"), ("", "4"), ("2", "2"), (" 6 ", "6")])
