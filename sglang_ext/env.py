@@ -22,6 +22,17 @@ SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
 SGLANG_MAMBA_CONV_DTYPE_VAR = "SGLANG_MAMBA_CONV_DTYPE"
 #: Read by HF tokenizers: its own thread pool, which must be off in forked data-loader workers.
 TOKENIZERS_PARALLELISM_VAR = "TOKENIZERS_PARALLELISM"
+#: CPU serving threads: unset or "auto" -> the launcher's defaults (launcher.cpu_thread_env);
+#: an integer N -> N compute threads; "keep" -> export nothing (SGLang/torch/OpenMP defaults).
+CPU_THREADS_VAR = "SGLANG_EXT_CPU_THREADS"
+#: Read by OpenMP / MKL / torch: compute threads per process, and how idle OpenMP threads wait.
+OMP_NUM_THREADS_VAR = "OMP_NUM_THREADS"
+MKL_NUM_THREADS_VAR = "MKL_NUM_THREADS"
+OMP_WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
+#: GNU OpenMP (the runtime torch's Linux wheels use): busy-wait iterations before sleeping.
+GOMP_SPINCOUNT_VAR = "GOMP_SPINCOUNT"
+#: Intel OpenMP (if torch was built against it): milliseconds a thread spins after a parallel region.
+KMP_BLOCKTIME_VAR = "KMP_BLOCKTIME"
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,12 @@ def export_patch_mode(mode: str) -> None:
     os.environ[PATCH_MODE_VAR] = mode
     if mode == "cpu":
         os.environ[SGLANG_CPU_ENGINE_VAR] = "1"
+
+
+def export_cpu_thread_env(values: dict[str, str]) -> None:
+    """Export the CPU thread settings the launcher chose (it only chooses unset variables)."""
+    for var, value in values.items():
+        os.environ.setdefault(var, value)
 
 
 def export_tokenizers_single_threaded() -> None:

@@ -8,9 +8,21 @@ own seams and leaves SGLang's arguments and fast paths alone.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sglang_ext.env import export_conv_state_dtype, export_patch_mode, export_tail_replay_config
+from sglang_ext.env import (
+    CPU_THREADS_VAR,
+    GOMP_SPINCOUNT_VAR,
+    KMP_BLOCKTIME_VAR,
+    MKL_NUM_THREADS_VAR,
+    OMP_NUM_THREADS_VAR,
+    OMP_WAIT_POLICY_VAR,
+    export_conv_state_dtype,
+    export_cpu_thread_env,
+    export_patch_mode,
+    export_tail_replay_config,
+)
 
 #: flag -> value added on CPU unless the user passed the flag (value None: a bare switch)
 CPU_DEFAULTS: dict[str, str | None] = {
@@ -36,6 +48,55 @@ CONV_STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 class LaunchError(ValueError):
     """A bad launcher argument; the message names it."""
+
+
+#: OpenMP waiting on CPU: idle threads sleep at once instead of spinning (GNU OpenMP spins ~300k
+#: iterations by default, Intel's 200 ms), so a thread that waits at a barrier for a sibling the
+#: kernel has preempted (a neighbour on the cores) hands the core to it instead of burning it.
+#: An explicit GOMP_SPINCOUNT from the user wins over the policy in GNU OpenMP.
+CPU_WAIT_ENV: dict[str, str] = {
+    OMP_WAIT_POLICY_VAR: "PASSIVE",
+    GOMP_SPINCOUNT_VAR: "0",
+    KMP_BLOCKTIME_VAR: "0",
+}
+
+
+def cpu_threads(cpu_count: int) -> int:
+    """Compute threads per server process by default: every core the process may run on.
+    With passive waits a thread that has no core costs nothing; measured on a busy 2-core
+    machine (benchmarks/README.md, `cpu_neighbour.py`) 2 passive threads were as fast as or
+    faster than 1 (cores - 1) in every median, alone and beside two busy neighbours."""
+    return max(1, cpu_count)
+
+
+def cpu_thread_env(user_env: Mapping[str, str], cpu_count: int) -> dict[str, str]:
+    """The thread variables the CPU launcher exports: only those `user_env` leaves unset.
+
+    Thread count: `SGLANG_EXT_CPU_THREADS` (in `user_env`) if it is an integer N >= 1; else a
+    count the user already gave in MKL_NUM_THREADS or OMP_NUM_THREADS (torch's intra-op default
+    follows MKL_NUM_THREADS over OMP_NUM_THREADS, so both must agree: a user's OMP_NUM_THREADS=1
+    alone must not become 2 threads through an exported MKL_NUM_THREADS); else
+    `cpu_threads(cpu_count)`. It goes to whichever of the two variables is unset, and the wait
+    policy (CPU_WAIT_ENV) likewise, variable by variable. `SGLANG_EXT_CPU_THREADS=keep` exports
+    nothing (torch / OpenMP defaults: every core, spinning waits); unset or "auto" is the default.
+    Raises LaunchError naming the variable on a bad value."""
+    raw = (user_env.get(CPU_THREADS_VAR) or "auto").strip().lower()
+    if raw == "keep":
+        return {}
+    if raw == "auto":
+        given = user_env.get(MKL_NUM_THREADS_VAR) or user_env.get(OMP_NUM_THREADS_VAR)
+        threads = given.strip() if given else str(cpu_threads(cpu_count))
+    else:
+        try:
+            count = int(raw)
+        except ValueError:
+            count = 0
+        if count < 1:
+            raise LaunchError(f"{CPU_THREADS_VAR}={user_env.get(CPU_THREADS_VAR)!r}: expected 'auto', "
+                              f"'keep' or a thread count >= 1")
+        threads = str(count)
+    wanted = {OMP_NUM_THREADS_VAR: threads, MKL_NUM_THREADS_VAR: threads, **CPU_WAIT_ENV}
+    return {var: value for var, value in wanted.items() if not user_env.get(var)}
 
 
 @dataclass(frozen=True)
@@ -133,12 +194,25 @@ def _check_tail_replay_start(server_args) -> None:
             raise LaunchError(str(exc)) from None
 
 
+def _use_cpu_threads(values: dict[str, str]) -> None:
+    """Export `values` to the server's children (spawned later: the scheduler, the detokenizer,
+    which read them when they load OpenMP), and apply the thread count to this process, whose
+    OpenMP runtime torch has already loaded."""
+    export_cpu_thread_env(values)
+    if OMP_NUM_THREADS_VAR in values:
+        import torch
+
+        torch.set_num_threads(int(values[OMP_NUM_THREADS_VAR]))
+
+
 def serve(argv: list[str]) -> None:
     """Apply patches for the chosen mode, then run SGLang's own server entry point."""
     argv, tail_replay_config = _pop_flag(argv, TAIL_REPLAY_CONFIG_FLAG)
     _export_tail_replay_config(tail_replay_config)
     plan = plan_launch(argv)
     export_patch_mode(plan.mode)
+    if plan.mode == "cpu":
+        _use_cpu_threads(cpu_thread_env(os.environ, len(os.sched_getaffinity(0))))
     if _flag_value(plan.argv, "--dtype") in CONV_STATE_DTYPES:
         export_conv_state_dtype(_flag_value(plan.argv, "--dtype"))
     from patches import apply_patches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import pytest
 
 from patches.version import UnsupportedSGLangVersion, check_sglang_version
 from sglang_ext import SUPPORTED_SGLANG_VERSION
-from sglang_ext.launcher import CPU_DEFAULTS, LaunchError, plan_launch
+from sglang_ext.env import CPU_THREADS_VAR
+from sglang_ext.launcher import CPU_DEFAULTS, LaunchError, cpu_thread_env, plan_launch
 
 
 def test_cpu_plan_fills_defaults_without_overriding_user_flags():
@@ -48,6 +50,68 @@ def test_cli_reports_a_bad_flag_as_a_one_line_error():
     assert proc.returncode == 2
     assert "sglang-ext: error: --attention-backend flashinfer is GPU-only" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_cpu_thread_defaults_use_every_core_and_wait_passively():
+    env = cpu_thread_env({}, cpu_count=2)
+    assert env == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE",
+                   "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
+    assert cpu_thread_env({}, cpu_count=16)["OMP_NUM_THREADS"] == "16"
+    assert cpu_thread_env({}, cpu_count=1)["OMP_NUM_THREADS"] == "1"
+
+
+def test_cpu_thread_defaults_never_override_what_the_user_set():
+    user = {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}
+    env = cpu_thread_env(user, cpu_count=8)
+    assert "OMP_NUM_THREADS" not in env and "OMP_WAIT_POLICY" not in env
+    # torch's thread count follows MKL_NUM_THREADS over OMP_NUM_THREADS: it must agree with the user's
+    assert env["MKL_NUM_THREADS"] == "2" and env["GOMP_SPINCOUNT"] == "0"
+    assert cpu_thread_env({"MKL_NUM_THREADS": "3"}, cpu_count=8)["OMP_NUM_THREADS"] == "3"
+
+
+def test_torch_follows_the_thread_count_the_launcher_exports():
+    """The exported variables give torch's intra-op pool the intended size in a fresh process
+    (what SGLang's spawned scheduler is), also when the user set only OMP_NUM_THREADS."""
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", CPU_THREADS_VAR)}
+    for user, want in (({"OMP_NUM_THREADS": "1"}, 1), ({CPU_THREADS_VAR: "2"}, 2)):
+        env = {**base, **user}
+        env.update(cpu_thread_env(env, cpu_count=2))
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == str(want), (user, out.stderr[-500:])
+
+
+@pytest.mark.parametrize("value, threads", [("auto", "4"), ("", "4"), ("2", "2"), (" 6 ", "6")])
+def test_cpu_thread_count_override(value, threads):
+    env = cpu_thread_env({CPU_THREADS_VAR: value}, cpu_count=4)
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == threads
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_cpu_threads_keep_exports_nothing():
+    assert cpu_thread_env({CPU_THREADS_VAR: "keep"}, cpu_count=4) == {}
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "many", "1.5"])
+def test_bad_cpu_thread_setting_is_refused_by_name(value):
+    with pytest.raises(LaunchError, match=rf"{CPU_THREADS_VAR}='{value}'"):
+        cpu_thread_env({CPU_THREADS_VAR: value}, cpu_count=4)
+
+
+def test_serve_exports_cpu_thread_defaults_to_the_server_processes(monkeypatch):
+    """serve() on CPU puts the chosen thread settings into the environment its children inherit."""
+    from patches import version
+    from sglang_ext import cli, env
+
+    for var in (env.PATCH_MODE_VAR, env.SGLANG_CPU_ENGINE_VAR, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                "KMP_BLOCKTIME", "MKL_NUM_THREADS", CPU_THREADS_VAR):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")       # the user's choice stays
+    monkeypatch.setattr(version, "installed_sglang_version", lambda: "0.5.22")   # stop before SGLang
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--model-path", "m", "--device", "cpu"])
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE" and os.environ["GOMP_SPINCOUNT"] == "0"
 
 
 def test_wrong_sglang_version_is_refused_with_the_fix():
