@@ -34,6 +34,9 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_moe",
     "cpu_nemotron_h_router",
     "cpu_memory_budget",
+    "cpu_pin_memory",
+    "cpu_mamba_track",
+    "cpu_extra_buffer",     # after cpu_gdn / cpu_mamba2: the ops extra_buffer reads
 )
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_meta",

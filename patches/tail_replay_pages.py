@@ -5,7 +5,7 @@ page_size > 1 because without the extra buffer only a sequence-end state exists 
 key would misplace it. The tail_replay backend never places a state off its own depth (it
 withholds states whose sequence does not end on a page boundary, see tail_replay/cache.py) and
 reuses page-aligned prefixes without any state, so under it the check is relaxed to the others.
-(`extra_buffer`, SGLang's other strategy for pages > 1, is refused on CPU by SGLang itself.)
+(`extra_buffer`, SGLang's other strategy for pages > 1, has its own validator and needs no relaxing.)
 """
 
 from __future__ import annotations

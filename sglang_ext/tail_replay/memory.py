@@ -8,8 +8,9 @@ classes and default dtypes (conv window bf16 unless SGLANG_MAMBA_CONV_DTYPE says
 SSM state fp32 unless SGLANG_MAMBA_SSM_DTYPE / the config's mamba_ssm_dtype says otherwise).
 
 In pure Tail-Replay mode (`keep_checkpoints: false`) the tree stores no state at all, so the
-saving per cached prefix is that whole number; the state pool then needs one slot per running
-request only.
+saving per cached prefix is that whole number; the state pool then needs only the running
+requests' own slots (one each, plus the ping-pong track slots of SGLang's `extra_buffer` strategy,
+see patches/tail_replay_sizing.py).
 
     python -m sglang_ext.tail_replay.memory [--tp 1] [--json]
 """

@@ -1,0 +1,187 @@
+"""Tail-Replay under SGLang's `extra_buffer` state strategy, in the real patched server.
+
+Two servers, both `--mamba-radix-cache-strategy extra_buffer`, chunked prefill of 64 tokens
+(documents of 240 tokens take several chunks) and a track interval of 64 (a decode of 12
+tokens after a 250-token prompt crosses the boundary at 256, so decode-time tracking runs):
+
+- "no_checkpoints": Qwen3-Next (GDN), the overlap scheduler on (SGLang's GPU default, which the
+  CPU launcher turns off; this server runs the launcher with that default removed),
+  `keep_checkpoints: false`, `--max-mamba-cache-size 6`. Each request holds its state and two
+  ping-pong slots, so 2 requests run at once (with one slot each, 6 would be admitted and the
+  third one's ping-pong allocation would fail).
+- "checkpoints": Nemotron-H (Mamba-2), no overlap, checkpoints kept (the default),
+  `--max-mamba-cache-size 12` (SGLang's own 4 slots per request: 3 running).
+
+Both run with SGLang's strict idle check (the scheduler raises, and the server dies, when the
+pools do not add up once it is idle) and its tree-cache sanity check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
+
+import pytest
+import requests
+
+from sglang_ext.reference import greedy_reference, load_reference_model
+from sglang_ext.testing import ServerProcess, start_servers, stop_servers
+from tests.e2e.serving import LOGPROB_ATOL, assert_matches_reference, random_prompt
+
+DOC, QUESTION, NEW = 240, 10, 12
+DOCS, QUESTIONS = 3, 3                  # 9 concurrent clients over 3 shared documents
+BASE = {"min_match_tokens": 16, "min_replay_tokens": 1}
+COMMON = ["--dtype", "float32", "--radix-cache-backend", "tail_replay",
+          "--mamba-radix-cache-strategy", "extra_buffer", "--chunked-prefill-size", "64",
+          "--mamba-track-interval", "64", "--mem-fraction-static", "0.3"]
+SERVERS = {
+    "no_checkpoints": ("qwen3-next", {**BASE, "budget": 1 / 16, "keep_checkpoints": False}, 6, True),
+    "checkpoints": ("nemotron-h", {**BASE, "budget": 1 / 4}, 12, False),
+}
+#: SGLang's pool checks, on (strict: a leak raises in the scheduler)
+CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1"}
+SANITY_METRIC = re.compile(r'^sglang:scheduler_stage_seconds_total\{category="sanity_check_cache"[^}]*\} (\S+)$', re.M)
+
+
+class OverlapServer(ServerProcess):
+    """The launcher without its CPU default `--disable-overlap-schedule` (SGLang's overlap
+    scheduler runs on CPU; the launcher turns it off only to keep CPU runs simple)."""
+
+    def command(self) -> list[str]:
+        code = ("import sys; from sglang_ext import launcher; "
+                "launcher.CPU_DEFAULTS.pop('--disable-overlap-schedule'); launcher.serve(sys.argv[1:])")
+        return [sys.executable, "-c", code, "--model-path", self.model_path,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_factory, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("extra_buffer_logs")
+    procs = {}
+    for name, (arch, config, slots, overlap) in SERVERS.items():
+        cls = OverlapServer if overlap else ServerProcess
+        args = [*COMMON, "--tail-replay-config", json.dumps(config), "--max-mamba-cache-size", str(slots)]
+        procs[name] = cls(str(tiny_model_factory(arch)), args, log_path=logs / f"{name}.log")
+    with mock.patch.dict(os.environ, CHECK_ENV):
+        start_servers(list(procs.values()))
+    try:
+        yield procs
+    finally:
+        stop_servers(list(procs.values()))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_factory):
+    """Greedy full-prefill references (transformers), computed once per (arch, prompt)."""
+    models, cache = {}, {}
+
+    def reference(arch: str, ids: list[int], new_tokens: int = NEW):
+        key = (arch, tuple(ids), new_tokens)
+        if key not in cache:
+            if arch not in models:
+                models[arch] = load_reference_model(tiny_model_factory(arch))
+            cache[key] = greedy_reference(models[arch], ids, new_tokens)
+        return cache[key]
+
+    return reference
+
+
+def ask(server, ids, overrides=None, new_tokens=NEW):
+    custom = {"tail_replay": overrides} if overrides else None
+    return server.generate(input_ids=ids, return_logprob=True,
+                           sampling_params={"max_new_tokens": new_tokens, "temperature": 0,
+                                            "ignore_eos": True, "custom_params": custom})
+
+
+def details(result) -> dict:
+    return result["meta_info"]["cached_tokens_details"]["tail_replay"]
+
+
+def prompts(seed: int) -> list[list[int]]:
+    """Documents interleaved (d0 q0, d1 q0, d2 q0, d0 q1, ...), so each is shared in flight."""
+    docs = [random_prompt(DOC, seed=seed + d) for d in range(DOCS)]
+    return [docs[d] + random_prompt(QUESTION, seed=seed + 100 + q * DOCS + d)
+            for q in range(QUESTIONS) for d in range(DOCS)]
+
+
+def burst(server, ids_list, overrides):
+    with ThreadPoolExecutor(len(ids_list)) as pool:
+        return list(pool.map(lambda ids: ask(server, ids, overrides), ids_list))
+
+
+def sanity_check_seconds(server) -> float:
+    return sum(float(v) for v in SANITY_METRIC.findall(requests.get(f"{server.url}/metrics", timeout=30).text))
+
+
+def test_sizing_admits_pool_over_the_slots_a_request_holds(servers):
+    # no_checkpoints: own state + 2 ping-pong slots (overlap) = 3 -> 6 // 3; checkpoints: SGLang's 4
+    for name, expected in (("no_checkpoints", 2), ("checkpoints", 3)):
+        info = requests.get(f"{servers[name].url}/get_server_info", timeout=30).json()
+        assert info["disable_overlap_schedule"] is (name == "checkpoints")
+        assert info["internal_states"][0]["effective_max_running_requests_per_dp"] == expected
+
+
+@pytest.mark.parametrize("name", SERVERS)
+def test_concurrent_clients_at_full_budget_equal_full_prefill(servers, references, name):
+    arch = SERVERS[name][0]
+    ids_list = prompts(seed=10)
+    results = burst(servers[name], ids_list, {"budget": 1.0})
+    for ids, result in zip(ids_list, results):
+        assert_matches_reference(result, references(arch, ids), atol=LOGPROB_ATOL)
+        assert details(result)["kind"] in ("miss", "exact_replay", "exact_checkpoint")
+    # the shared documents were found in the tree while others were running
+    assert sum(details(r)["matched_tokens"] >= DOC - 64 for r in results) >= DOCS
+
+
+def test_concurrent_approximate_hits_without_checkpoints(servers):
+    server = servers["no_checkpoints"]
+    ids_list = prompts(seed=20)
+    first = burst(server, ids_list[:DOCS], None)           # one client per document: misses
+    assert [details(r)["kind"] for r in first] == ["miss"] * DOCS
+    results = burst(server, ids_list[DOCS:], None)         # 6 clients on 2 running slots
+    for result in results:
+        assert details(result)["kind"] == "approximate"
+        assert details(result)["matched_tokens"] >= DOC
+        assert len(result["output_ids"]) == NEW
+
+
+def test_decode_tracked_checkpoint_is_exact(servers, references):
+    server = servers["checkpoints"]
+    first_ids = random_prompt(DOC + QUESTION, seed=30)       # 250 tokens; decode crosses 256
+    first = ask(server, first_ids)
+    follow_up = first_ids + first["output_ids"] + random_prompt(QUESTION, seed=31)
+    second = ask(server, follow_up)
+    assert details(second) == {"kind": "exact_checkpoint", "matched_tokens": 256,
+                               "reused_tokens": 256, "replayed_tokens": 0}
+    assert_matches_reference(second, references("nemotron-h", follow_up))
+
+
+def test_prefill_tracked_checkpoint_is_exact(servers, references):
+    server = servers["checkpoints"]
+    document = random_prompt(DOC, seed=40)
+    ask(server, document, new_tokens=1)                      # prefill tracks the state at 192
+    question = document + random_prompt(QUESTION, seed=41)
+    result = ask(server, question)
+    assert details(result) == {"kind": "exact_checkpoint", "matched_tokens": 192,
+                               "reused_tokens": 192, "replayed_tokens": 0}
+    assert_matches_reference(result, references("nemotron-h", question))
+
+
+@pytest.mark.parametrize("name", SERVERS)
+def test_idle_pool_accounting_check_runs_clean(servers, name):
+    server = servers[name]
+    before = sanity_check_seconds(server)
+    ask(server, random_prompt(DOC, seed=50))
+    deadline = time.monotonic() + 60
+    while sanity_check_seconds(server) <= before:            # the scheduler went idle and checked
+        assert time.monotonic() < deadline, "the idle pool check did not run within 60 s"
+        time.sleep(0.5)
+    assert server.proc.poll() is None
+    assert len(ask(server, random_prompt(20, seed=51))["output_ids"]) == NEW
+    assert "memory leak" not in server.log_text()
+    assert "Traceback" not in server.log_text()
