@@ -39,7 +39,8 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_extra_buffer",     # after cpu_gdn / cpu_mamba2: the ops extra_buffer reads
 )
 #: Applied in both modes (the extension's own seams).
-EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_meta",
+EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
+                                "tail_replay_meta",
                                 "tail_replay_request", "tail_replay_sizing", "tail_replay_pages",
                                 "request_token_ids")
 

@@ -1,22 +1,27 @@
 """Run every sample under every configuration; one JSONL row per (sample, configuration).
 
 Resumable: rows already in the output are skipped; a truncated last line (an interrupted
-write) is dropped. Reuse is verified from `meta_info` (`check_reuse`): a Tail-Replay row whose
-request reused nothing, or a full-prefill row that reused something, stops the run with
-`ReuseCheckFailed` instead of being reported as quality retained.
+write) is dropped. Reuse is verified from `meta_info` (`check_reuse`) against the prefix the
+warm-up shares with the request (`SharedPrefix`, from the server's own tokenization); a row whose
+request did not reuse what its configuration plans stops the run with `ReuseCheckFailed` instead
+of being reported as quality retained.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 from tqdm import tqdm
 
-from eval.quality.configs import EvalConfig
+from eval.quality.configs import TAIL_REPLAY, EvalConfig
 from eval.quality.samples import EvalSample
-from eval.quality.servers import Client
+from eval.quality.servers import TAIL_REPLAY_SERVER_CONFIG, Client
+from sglang_ext.tail_replay.config import config_from_dict, with_overrides
+from sglang_ext.tail_replay.planner import plan_replay
 
 Scorer = Callable[[EvalSample, str], float]
 
@@ -38,25 +43,83 @@ def output_tokens(meta: dict) -> dict:
     return {"output_ids": [int(p[1]) for p in pairs], "output_logprobs": [round(float(p[0]), 5) for p in pairs]}
 
 
-def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict) -> None:
-    if config.must_hit and (reuse["cached_tokens"] <= 0 or reuse["hit_kind"] in (None, "miss")):
-        raise ReuseCheckFailed(
-            f"{config.name} on {sample.key}: the request reused no cached tokens (meta_info: {reuse}); is the "
-            "server running with --radix-cache-backend tail_replay and its radix cache enabled?")
+@dataclass(frozen=True)
+class SharedPrefix:
+    """What a warmed request can reuse: the tokens its prompt shares with the warm-up prompt."""
+    tokens: int       # common leading token ids of the warm-up and the request (server tokenizer)
+    page_size: int    # the server's KV page size
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _fail(config: EvalConfig, sample: EvalSample, what: str, reuse: dict) -> None:
+    raise ReuseCheckFailed(f"{config.name} on {sample.key}: {what} (meta_info: {reuse})")
+
+
+def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict, shared: SharedPrefix | None = None) -> None:
+    """The row reused what its configuration plans, or ReuseCheckFailed naming what is wrong.
+
+    - full (no warm-up): reused nothing.
+    - stock (warm-up, SGLang's own cache): no Tail-Replay decision (the server really is stock) and
+      at most the shared prefix reused (stock reuses only up to a state checkpoint, often nothing).
+    - Tail-Replay: matched L about the shared prefix (within one page below it, at most one token
+      above: the warm-up's generated token may continue it); the hit kind the planner gives for L
+      under the server config + the row's overrides (a miss is never accepted); replayed tokens
+      <= ceil(budget x L) + one page; reused (cached_tokens) + replayed = L. Only an exact replay
+      (the window covers all of L) may reuse 0 tokens.
+    """
     if config.must_miss and reuse["cached_tokens"] > 0:
-        raise ReuseCheckFailed(f"{config.name} on {sample.key}: full prefill reused {reuse['cached_tokens']} tokens")
+        _fail(config, sample, f"full prefill reused {reuse['cached_tokens']} tokens", reuse)
+    if config.server != TAIL_REPLAY:
+        if reuse["hit_kind"] is not None:
+            _fail(config, sample, "a stock row carries a Tail-Replay decision; is the stock server running "
+                  "--radix-cache-backend tail_replay?", reuse)
+        if shared is not None and reuse["cached_tokens"] > shared.tokens:
+            _fail(config, sample, f"stock reused more than the {shared.tokens} shared tokens", reuse)
+        return
+    if reuse["hit_kind"] in (None, "miss") or (reuse["cached_tokens"] <= 0 and reuse["hit_kind"] != "exact_replay"):
+        _fail(config, sample, "the request reused no cached tokens; is the server running with "
+              "--radix-cache-backend tail_replay and its radix cache enabled?", reuse)
+    if shared is None:
+        raise ValueError(f"{config.name}: a Tail-Replay row needs the shared prefix to be checked")
+    matched, replayed, page = reuse["matched_tokens"], reuse["replayed_tokens"], shared.page_size
+    if matched is None or not shared.tokens - page < matched <= shared.tokens + 1:
+        _fail(config, sample, f"matched {matched} tokens, not about the {shared.tokens} tokens shared with the "
+              f"warm-up (page {page})", reuse)
+    plan = plan_replay(matched, None, page, with_overrides(config_from_dict(TAIL_REPLAY_SERVER_CONFIG), config.overrides))
+    if reuse["hit_kind"] != plan.kind.value:
+        _fail(config, sample, f"hit kind {reuse['hit_kind']!r}, planned {plan.kind.value!r} for L={matched}", reuse)
+    if replayed > math.ceil(config.budget * matched) + page:
+        _fail(config, sample, f"replayed {replayed} > budget {config.budget} x L={matched} + one page ({page})", reuse)
+    if reuse["cached_tokens"] + replayed != matched:
+        _fail(config, sample, f"reused {reuse['cached_tokens']} + replayed {replayed} != matched {matched}", reuse)
+
+
+def shared_prefix(client: Client, sample: EvalSample) -> SharedPrefix:
+    return SharedPrefix(common_prefix(client.tokenize(sample.warm_prompt()), client.tokenize(sample.prompt)),
+                        client.page_size())
 
 
 def run_one(client: Client, config: EvalConfig, sample: EvalSample, scorer: Scorer) -> dict:
     client.flush()
+    shared = None
     if config.warm:
+        shared = shared_prefix(client, sample)
         client.generate(sample.warm_prompt(), 1)
     out = client.generate(sample.prompt, sample.max_new_tokens, config.overrides)
     reuse = reuse_of(out["meta_info"])
-    check_reuse(config, sample, reuse)
+    check_reuse(config, sample, reuse, shared)
     return {"key": sample.key, "benchmark": sample.benchmark, "dataset": sample.dataset, "sample_id": sample.sample_id,
             "length": sample.length, "group": sample.group, "config": config.name, "budget": config.budget, "kv_mode": config.kv_mode,
-            "prompt_tokens": out["meta_info"]["prompt_tokens"], **reuse, "answers": list(sample.answers),
+            "prompt_tokens": out["meta_info"]["prompt_tokens"],
+            "shared_tokens": shared.tokens if shared is not None else None, **reuse, "answers": list(sample.answers),
             "prediction": out["text"], "score": scorer(sample, out["text"]), **output_tokens(out["meta_info"])}
 
 

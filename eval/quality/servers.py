@@ -43,6 +43,22 @@ class Client:
         if resp.status_code != 200:
             raise RuntimeError(f"{self.url}/flush_cache refused ({resp.status_code}): {resp.text[:200]}")
 
+    def tokenize(self, text: str) -> list[int]:
+        """The token ids the server makes of `text` (SGLang's `/tokenize`, as `/generate` tokenizes)."""
+        resp = self._post("/tokenize", {"prompt": text})
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.url}/tokenize failed ({resp.status_code}): {resp.text[:300]}")
+        return [int(t) for t in resp.json()["tokens"]]
+
+    def page_size(self) -> int:
+        """The server's KV page size (`/server_info`)."""
+        try:
+            resp = requests.get(f"{self.url}/server_info", timeout=30)
+        except requests.ConnectionError as err:
+            raise ServerUnreachable(f"cannot reach the server at {self.url} ({type(err).__name__})") from None
+        resp.raise_for_status()
+        return int(resp.json().get("page_size") or 1)
+
     def generate(self, prompt: str, max_new_tokens: int, overrides: dict | None = None) -> dict:
         params = {"max_new_tokens": max_new_tokens, "temperature": 0}
         if overrides:

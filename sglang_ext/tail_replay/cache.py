@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from sglang_ext.tail_replay import own_tail
 from sglang_ext.tail_replay.config import BACKEND_NAME, REQUEST_PARAM_KEY, TailReplayConfig, with_overrides
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 
@@ -167,6 +168,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
         plan = plan_replay(result.device_prefix_len, ckpt_len or None, self.page_size, config)
         req.tail_replay = plan
         req.tail_replay_kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
+        own_tail.begin(req, plan, config.kv_mode)   # recompute: the request keeps its tail KV
         if plan.kind is HitKind.EXACT_CHECKPOINT:
             return result._replace(device_prefix_len=plan.prefix_len, last_device_node=ckpt_id,
                                    last_host_node=ckpt_id, best_match_node=ckpt_id)
@@ -175,6 +177,18 @@ class TailReplayRadixCache(UnifiedRadixCache):
             return result._replace(device_prefix_len=0, last_device_node=root,
                                    last_host_node=root, best_match_node=root)
         return result._replace(device_prefix_len=plan.prefix_len)
+
+    # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py)
+    def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
+        with own_tail.claiming(self, req):
+            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+
+    def insert(self, params):
+        return own_tail.insert(self, params, super().insert)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        own_tail.release(self, req)
+        super().on_release(req, checkpointed=checkpointed)
 
     def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id):
         """The tree's KV slots of [prefix_len, L), read off the matched path bottom-up (O(W))."""

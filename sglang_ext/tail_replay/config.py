@@ -35,7 +35,8 @@ class TailReplayConfig:
     #: also keep SGLang's own exact state checkpoints in the tree (False: the tree holds no states)
     keep_checkpoints: bool = True
     #: "exact": the new tokens attend to the exact cached KV of the whole match;
-    #: "recompute": the replayed tail's attention KV is recomputed (approximate) too
+    #: "recompute": the replayed tail's attention KV is recomputed (approximate) too, and the request
+    #: attends to its recomputed tail KV in prefill and decode; the tree keeps its exact KV
     kv_mode: str = "exact"
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from sglang_ext.reference import greedy_reference, load_reference_model
+from sglang_ext.reference import greedy_reference, load_reference_model, zero_state_reference
 from sglang_ext.testing import ServerProcess, start_servers, stop_servers
 from tests.e2e.serving import assert_matches_reference, metric_total, random_prompt
 
@@ -135,6 +135,30 @@ def test_logprob_distance_shrinks_as_the_window_grows(servers, hf_qwen):
     assert distance["w4_recompute"] != distance["w4"]   # the tail's KV is recomputed, not copied
     assert distance["w4"] <= distance["w16"] + 1e-6
     assert distance["wL"] <= distance["w4"] + 1e-6
+
+
+def test_recompute_mode_is_a_zero_state_replay_in_every_chunk_and_decode(servers, hf_qwen):
+    """kv_mode "recompute": the request attends to its own recomputed tail KV in every prefill chunk
+    (64-token chunks: the 160-token tail and the question span 4) and in every decode step, so it
+    equals transformers with the linear state zeroed at the replay start. (SGLang's per-chunk
+    publish used to switch the request's tail to the tree's exact KV after the first chunk: other
+    tokens from the third on.) Concurrent recompute requests then leave the pools clean (the
+    server's idle leak check)."""
+    server = servers["qwen3-next"]
+    document, question = random_prompt(L, seed=60), random_prompt(SUFFIX, seed=61)
+    window = L // 2
+    overrides = {"kv_mode": "recompute", "keep_checkpoints": False,
+                 "min_replay_tokens": window, "max_replay_tokens": window}
+    result = _warm_then_ask(server, document, question, overrides, new_tokens=8)
+    assert _details(result) == {"kind": "approximate", "matched_tokens": L,
+                                "reused_tokens": L - window, "replayed_tokens": window}
+    assert_matches_reference(result, zero_state_reference(hf_qwen, document + question, L - window, 8))
+    prompts = [document + random_prompt(SUFFIX, seed=62 + i) for i in range(4)]
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        results = list(pool.map(lambda p: ask(server, p, overrides, new_tokens=4), prompts))
+    assert {_details(r)["kind"] for r in results} == {"approximate"}
+    requests.get(f"{server.url}/health_generate", timeout=60).raise_for_status()
+    assert not re.search(r"leak|Traceback", server.log_text(), re.I)
 
 
 def test_a_checkpoint_within_the_window_is_used_exactly(servers, hf_qwen):

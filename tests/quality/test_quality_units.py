@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -44,22 +45,58 @@ def test_tail_replay_configs_carry_budget_and_kv_mode():
     assert c.must_hit and c.warm
 
 
-@pytest.mark.parametrize("meta, config, fails", [
-    ({"cached_tokens": 0}, "tr-5", True),                                     # reuse disabled
-    ({"cached_tokens": 100}, "tr-5", True),                                   # not a Tail-Replay server
-    ({"cached_tokens": 100, "cached_tokens_details": {"tail_replay": {"kind": "approximate", "matched_tokens": 105,
-                                                                       "replayed_tokens": 5}}}, "tr-5", False),
-    ({"cached_tokens": 3}, "full", True),
-    ({"cached_tokens": 0}, "full", False),
-    ({"cached_tokens": 0}, "stock", False),                                   # stock may reuse nothing
+def _tr(kind, matched, replayed, cached=None):
+    cached = matched - replayed if cached is None else cached
+    return {"cached_tokens": cached, "cached_tokens_details": {"tail_replay": {
+        "kind": kind, "matched_tokens": matched, "reused_tokens": cached, "replayed_tokens": replayed}}}
+
+
+SHARED = runner.SharedPrefix(tokens=1000, page_size=1)
+PAGED = runner.SharedPrefix(tokens=1000, page_size=16)
+
+
+@pytest.mark.parametrize("meta, config, shared, error", [
+    # full prefill: reuses nothing
+    ({"cached_tokens": 0}, "full", None, None),
+    ({"cached_tokens": 3}, "full", None, "full prefill reused 3"),
+    # stock: no Tail-Replay decision, at most the shared prefix (often nothing)
+    ({"cached_tokens": 0}, "stock", SHARED, None),
+    ({"cached_tokens": 512}, "stock", SHARED, None),
+    ({"cached_tokens": 1001}, "stock", SHARED, "more than the 1000 shared"),
+    (_tr("approximate", 1000, 50), "stock", SHARED, "stock row carries a Tail-Replay decision"),
+    # Tail-Replay: the planned kind, L about the shared prefix, replayed <= budget x L + one page
+    (_tr("approximate", 1000, 50), "tr-5", SHARED, None),
+    (_tr("approximate", 1001, 51), "tr-5", SHARED, None),           # the warm-up's token continues it
+    (_tr("approximate", 992, 64), "tr-5", PAGED, None),             # W 50, start cut to page 928
+    ({"cached_tokens": 0}, "tr-5", SHARED, "reused no cached tokens"),            # reuse disabled
+    ({"cached_tokens": 100}, "tr-5", SHARED, "reused no cached tokens"),          # not a Tail-Replay server
+    (_tr("miss", 1000, 0, cached=0), "tr-5", SHARED, "reused no cached tokens"),
+    (_tr("approximate", 600, 30), "tr-5", SHARED, "matched 600 tokens, not about the 1000"),
+    (_tr("approximate", 1002, 51), "tr-5", SHARED, "matched 1002"),
+    (_tr("approximate", 984, 50), "tr-5", PAGED, "matched 984"),                   # a page short
+    (_tr("exact_checkpoint", 1000, 10), "tr-5", SHARED, "hit kind 'exact_checkpoint', planned 'approximate'"),
+    (_tr("exact_replay", 1000, 1000), "tr-5", SHARED, "planned 'approximate'"),
+    (_tr("approximate", 1000, 120), "tr-5", SHARED, "replayed 120 > budget 0.05"),
+    (_tr("approximate", 1000, 50, cached=900), "tr-5", SHARED, "reused 900 + replayed 50 != matched 1000"),
+    # the window covers L: an exact replay that reuses 0 tokens is what tr-100 plans
+    (_tr("exact_replay", 1000, 1000), "tr-100", SHARED, None),
+    (_tr("approximate", 1000, 0), "tr-0", SHARED, None),
 ])
-def test_reuse_check(meta, config, fails):
+def test_reuse_check(meta, config, shared, error):
     reuse = runner.reuse_of(meta)
-    if fails:
-        with pytest.raises(runner.ReuseCheckFailed, match=config):
-            runner.check_reuse(configs.CONFIGS[config], SAMPLE, reuse)
+    cfg = configs.config_named(config)
+    if error:
+        with pytest.raises(runner.ReuseCheckFailed, match=re.escape(error)) as failure:
+            runner.check_reuse(cfg, SAMPLE, reuse, shared)
+        assert config in str(failure.value)
     else:
-        runner.check_reuse(configs.CONFIGS[config], SAMPLE, reuse)
+        runner.check_reuse(cfg, SAMPLE, reuse, shared)
+
+
+def test_common_prefix():
+    assert runner.common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert runner.common_prefix([1, 2], [1, 2, 3]) == 2
+    assert runner.common_prefix([], [1]) == 0
 
 
 def test_truncated_last_line_is_dropped_and_a_bad_middle_line_is_an_error(tmp_path):

@@ -23,6 +23,9 @@ def assert_slots_accounted(cache, pool, alloc, running, kv_total: int, mamba_tot
     for req in running:
         row = pool.req_to_token[req.kv.req_pool_idx]
         req_kv += row[req.kv.cache_protected_len:req.kv.kv_allocated_len].tolist()
+        own = getattr(req, "tail_replay_own_kv", None)   # kv_mode "recompute": the request's tail KV
+        if own is not None:
+            req_kv += own[1].tolist()
     held = free_kv + tree_kv + req_kv
     assert len(held) == len(set(held)), "a KV slot is held twice"
     assert sorted(held) == list(range(1, kv_total + 1)), "leaked KV slots"

@@ -1,0 +1,116 @@
+"""`kv_mode: "recompute"`: a request keeps its recomputed tail KV for its whole life.
+
+Meaning of the mode. On a Tail-Replay hit with a replayed tail [P, L) (P = prefix_len, L = matched
+tokens), the tail's attention KV is recomputed by the request's own prefill, and the request attends
+to that recomputed KV for the tail in prefill *and* decode. The tree keeps its exact KV for [0, L)
+and is never given the recomputed slots. (`kv_mode: "exact"` instead substitutes the tree's K/V into
+the tail rows, `patches/tail_replay_attention.py`.)
+
+Why it needs code: after each prefill chunk (and at finish) SGLang publishes the request into the
+tree (`UnifiedRadixCache.checkpoint_into_tree`): the insert frees the request's slots for every
+position the tree already holds above `req.kv.cache_protected_len` as duplicates and rewrites the
+request's KV row there to the tree's slots. Left alone, that turns a recompute into an exact-KV
+request from the first chunk boundary on.
+
+How: before that insert, `cache_protected_len` (and the insert's `prev_prefix_len`) is raised over
+the part of [P, L) the insert covers, so the insert neither frees those slots nor rewrites the row
+there; the slots are recorded as the request's own (`req.tail_replay_own_kv`) and freed by
+`release()` when the request's row is given back (finish, abort, retraction: SGLang's single path
+`release_kv_cache` -> `on_release`). Positions past L are published as usual. The tree path [0, L)
+stays locked by the request (its match locked the node at depth L), so the insert always finds the
+tree's own nodes there and never adopts the recomputed slots.
+
+Accounting: the own slots lie below `cache_protected_len`, so SGLang's per-request "private
+tokens" (allocated - protected) does not count them while the request runs; the idle check (no
+request running) is exact. SGLang's optional busy-time check (`SGLANG_ENABLE_STRICT_MEM_CHECK_
+DURING_BUSY`) would count them as missing.
+
+Hooks (in `TailReplayRadixCache`, sglang_ext/tail_replay/cache.py): `begin` at match,
+`claiming` around `checkpoint_into_tree`, `insert` around `insert`, `release` in `on_release`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+
+#: attribute on the cache: the request whose checkpoint_into_tree is running (one-shot, see insert)
+_CLAIMING = "_tail_replay_claiming_req"
+
+
+def own_tail_end(plan, kv_mode: str) -> Optional[int]:
+    """L when the request keeps its own recomputed KV for [prefix_len, L), else None (pure)."""
+    if kv_mode == "recompute" and plan is not None and plan.reuses_tail_kv:
+        return plan.matched_tokens
+    return None
+
+
+def begin(req, plan, kv_mode: str) -> None:
+    """At match: record up to where the request's tail KV is its own. A request being matched
+    holds no own slots (they are freed when its row is released), so nothing is dropped here."""
+    req.tail_replay_own_end = own_tail_end(plan, kv_mode)
+    if getattr(req, "tail_replay_own_kv", None) is None:
+        req.tail_replay_own_kv = None
+
+
+@contextmanager
+def claiming(cache, req):
+    """Around `checkpoint_into_tree(req)`: arm `insert` for this request's tail, if it has one
+    that is not yet claimed."""
+    end = getattr(req, "tail_replay_own_end", None)
+    if end is None or not req.kv.holds_kv or req.kv.cache_protected_len >= end:
+        yield
+        return
+    setattr(cache, _CLAIMING, req)
+    try:
+        yield
+    finally:
+        setattr(cache, _CLAIMING, None)
+
+
+def insert(cache, params, insert_fn: Callable):
+    """Around the tree insert of `checkpoint_into_tree`: claim [protected, min(L, inserted key))
+    for the request (not freed as duplicates, row not rewritten), then insert."""
+    req = getattr(cache, _CLAIMING, None)
+    if req is None:
+        return insert_fn(params)
+    setattr(cache, _CLAIMING, None)   # only the request's own insert, not a follow-up one
+    start = req.kv.cache_protected_len
+    claim_to = min(req.tail_replay_own_end, len(params.key))
+    if claim_to <= start:
+        return insert_fn(params)
+    params.prev_prefix_len = max(params.prev_prefix_len, claim_to)
+    result = insert_fn(params)
+    if getattr(result, "rotation_tail_declined", False):
+        return result   # SGLang keeps the whole row the request's own then; nothing to claim
+    row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:claim_to].to(torch.int64).clone()
+    own = req.tail_replay_own_kv
+    if own is None:
+        req.tail_replay_own_kv = (start, row)
+    else:
+        own_start, slots = own
+        assert own_start + len(slots) == start, "own tail claims must be contiguous"
+        req.tail_replay_own_kv = (own_start, torch.cat([slots, row]))
+    req.kv.cache_protected_len = claim_to
+    return result
+
+
+def own_slots(req) -> Optional[torch.Tensor]:
+    """The KV slots the request holds for its recomputed tail (None if none)."""
+    own = getattr(req, "tail_replay_own_kv", None)
+    return None if own is None else own[1]
+
+
+def release(cache, req) -> None:
+    """When the request's row is given back: free its own tail slots, once."""
+    own = getattr(req, "tail_replay_own_kv", None)
+    req.tail_replay_own_kv = None
+    if own is None:
+        return
+    from sglang.srt.mem_cache.common import free_kv_row_segments
+
+    start, slots = own
+    if slots.numel():
+        free_kv_row_segments(cache.token_to_kv_pool_allocator, [(slots, start)], swa_evicted_seqlen=0)
