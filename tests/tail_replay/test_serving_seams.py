@@ -37,7 +37,11 @@ def test_counters_are_recorded_on_the_first_rank_only(ranks, records):
     assert is_recording_rank(*ranks) is records
     tp, cp, pp = ranks
     before = _matched_total()
-    with get_parallel().override(attn_tp_rank=tp, attn_cp_rank=cp, pp_rank=pp):
+    # sizes too: once another test has published a topology, override checks rank < size
+    world = (tp + 1) * (cp + 1)
+    with get_parallel().override(attn_tp_rank=tp, attn_tp_size=tp + 1, attn_cp_rank=cp, attn_cp_size=cp + 1,
+                                 tp_size=world, moe_tp_size=world, moe_ep_size=1, moe_dp_size=1,
+                                 pp_rank=pp, pp_size=pp + 1):
         record_plan(PLAN)
     assert _matched_total() - before == (100 if records else 0)
 
