@@ -38,14 +38,6 @@ class ReuseClass(NamedTuple):
     queue: str
     state: State
 
-    @property
-    def base(self) -> "ReuseClass | None":
-        """For an output state split by size: the class of the unsplit type (whose model
-        the split class stores its offset from); else None."""
-        if isinstance(self.state, tuple):
-            return ReuseClass(self.queue, self.state[0])
-        return None
-
 
 class RankClass(NamedTuple):
     """The queue an owner is ranked in: its reuse class, the log2 recompute-cost bucket

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 from ..base import Key
-from .config import SAEAblation, SAEConfig
+from .config import SAEConfig
 from .keys import ReuseClass
 from .reuse_model import ClassStats, ReuseTimeModel
 
@@ -46,8 +46,8 @@ class Ghost:
 class Learner:
     """The fits per class, H, and the ghost list."""
 
-    def __init__(self, config: SAEConfig, ablation: SAEAblation, state: SAEState) -> None:
-        self.config, self.ablation, self.state = config, ablation, state
+    def __init__(self, config: SAEConfig, state: SAEState) -> None:
+        self.config, self.state = config, state
         self.version = 0  # bumped whenever a fit may have changed
         self.cached_blocks = 0  # blocks cached now (kept up to date by the policy)
         self.last_evict_t: float | None = None

@@ -156,7 +156,7 @@ class OwnerQueues:
             head = oldest.peek_entry()
             if head is None:
                 continue
-            young = self._youngest[rank].peek_entry()
+            young = self._youngest[rank].peek_entry()  # heap entries: (priority, seq, key)
             yield rank, Head(head[0], head[2]), Head(-young[0], young[2])
 
 

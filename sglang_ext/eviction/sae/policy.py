@@ -44,7 +44,7 @@ class SAEPolicy(EvictionPolicy):
                  ablation: SAEAblation = SAEAblation()) -> None:
         self.config, self.ablation = config, ablation
         self.state = state.snapshot() if state is not None else SAEState(horizon_s=config.prior_reuse_s)
-        self.learner = Learner(config, ablation, self.state)
+        self.learner = Learner(config, self.state)
         self.queues = OwnerQueues()
         self.sessions = Sessions(self.learner, ablation)
         self.expert = LRUExpert(config, ablation, self.state)
@@ -111,7 +111,8 @@ class SAEPolicy(EvictionPolicy):
         owner = queues.owners[entry.owner]
         if self.ablation.use_lru_expert:
             self.expert.note_duel(key, queues.entries, now)
-        self.learner.learn_eviction(entry.n_blocks - (remaining.n_blocks if remaining is not None else 0), now)
+        kept = remaining.n_blocks if remaining is not None else 0
+        self.learner.learn_eviction(entry.n_blocks - kept, now)
         self.learner.remember(key, owner.klass, entry.t_last)
         if remaining is None:
             self.expert.lru.discard(key)
