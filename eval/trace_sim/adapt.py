@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from sglang_ext.eviction import LRUPolicy, SAEConfig, SAEPolicy
 
 from .simulate import prepare, replay
@@ -26,9 +24,9 @@ def run_adaptation(capacity_fraction: float, cost, seed: int = 0, hours: float =
     variants = {
         "sae fresh on B": SAEPolicy(),
         "sae warm (learned on A, keeps learning)": SAEPolicy(state=tuned.state),
-        "sae fixed (learned on A, learning off)": SAEPolicy(replace(SAEConfig(), learning=False),
+        "sae fixed (learned on A, learning off)": SAEPolicy(SAEConfig(learning=False),
                                                             state=tuned.state),
-        "sae fixed (defaults, learning off)": SAEPolicy(replace(SAEConfig(), learning=False)),
+        "sae fixed (defaults, learning off)": SAEPolicy(SAEConfig(learning=False)),
         "lru": LRUPolicy(),
     }
     rows = []

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from sglang_ext.eviction import POLICY_REGISTRY
-
+from .ablations import SIM_POLICIES
 from .adapt import adaptation_markdown, run_adaptation
 from .bound import run_bound
 from .cost_model import DEFAULT_COST_MODEL, load_cost_model
@@ -30,7 +29,7 @@ def _floats(text: str) -> list[float]:
 
 def _names(text: str) -> list[str]:
     names = [x for x in text.split(",") if x]
-    unknown = [n for n in names if n not in POLICY_REGISTRY and n not in TRACES]
+    unknown = [n for n in names if n not in SIM_POLICIES and n not in TRACES]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown name(s) {unknown}")
     return names
@@ -44,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"comma-separated, from {', '.join(TRACES)}")
     run.add_argument("--capacities", type=_floats, default=[0.05, 0.1, 0.2, 0.4],
                      help="fractions of the trace's distinct blocks")
-    run.add_argument("--policies", type=_names, default=list(POLICY_REGISTRY),
-                     help=f"comma-separated, from {', '.join(POLICY_REGISTRY)}")
+    run.add_argument("--policies", type=_names, default=list(SIM_POLICIES),
+                     help=f"comma-separated, from {', '.join(SIM_POLICIES)}")
     _common(run)
     _trace_options(run)
     bound = sub.add_parser("bound", help="Belady with noisy arrival times: how much future "

@@ -8,8 +8,9 @@ from functools import cached_property
 import numpy as np
 from tqdm import tqdm
 
-from sglang_ext.eviction import EvictionPolicy, RequestInfo, make_policy
+from sglang_ext.eviction import EvictionPolicy, RequestInfo
 
+from .ablations import make_sim_policy
 from .cache import PrefixCache
 from .cost_model import PrefillCostModel
 from .trace import NO_BLOCK, Trace
@@ -90,7 +91,7 @@ def replay(prepared: PreparedTrace, policy: EvictionPolicy, capacity_blocks: int
 def run_policy(prepared: PreparedTrace, policy_name: str, capacity_fraction: float,
                cost: PrefillCostModel, progress: bool = False) -> dict:
     capacity = max(1, int(round(capacity_fraction * prepared.distinct_blocks)))
-    policy = make_policy(policy_name)
+    policy = make_sim_policy(policy_name)
     label = f"{prepared.trace.name} {policy_name} @{capacity_fraction:g}" if progress else None
     cache = replay(prepared, policy, capacity, cost, progress=label)
     return {"policy": policy_name, "capacity_fraction": capacity_fraction,

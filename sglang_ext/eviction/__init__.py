@@ -1,5 +1,6 @@
 """Eviction policy core: one interface (``EvictionPolicy``), SGLang's baselines, Marconi,
-Belady's offline optimum and SAECache. Pure Python: no SGLang, no torch."""
+Belady's offline optimum and SAECache (``sae/``). Ablation variants are not
+registered here; the simulator adds them (``eval/trace_sim/ablations.py``). Pure Python: no SGLang, no torch."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from .belady import BeladyPolicy
 from .lfu import LFUPolicy
 from .lru import LRUPolicy
 from .marconi import MarconiConfig, MarconiPolicy
-from .sae import SAEConfig, SAEModelPolicy, SAEPolicy, SAEState
+from .sae import SAEAblation, SAEConfig, SAEPolicy, SAEState
 from .slru import SLRUConfig, SLRUPolicy
 from .tlru import TLRUConfig, TLRUPolicy
 
@@ -25,6 +26,6 @@ def make_policy(name: str, **kwargs) -> EvictionPolicy:
 
 __all__ = ["NEVER", "POLICY_REGISTRY", "TOKEN_TYPES", "BeladyPolicy", "EntryInfo",
            "EvictionPolicy", "Key", "LFUPolicy", "LRUPolicy", "LazyMinHeap", "MarconiConfig",
-           "MarconiPolicy", "PriorityPolicy", "RequestInfo", "SAEConfig", "SAEPolicy",
-           "SAEModelPolicy", "SAEState", "SLRUConfig", "SLRUPolicy", "TLRUConfig", "TLRUPolicy", "make_policy",
+           "MarconiPolicy", "PriorityPolicy", "RequestInfo", "SAEAblation", "SAEConfig",
+           "SAEPolicy", "SAEState", "SLRUConfig", "SLRUPolicy", "TLRUConfig", "TLRUPolicy", "make_policy",
            "register"]

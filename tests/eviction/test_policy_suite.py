@@ -1,4 +1,4 @@
-"""One suite every registered policy passes."""
+"""One suite every policy passes: the product registry and the simulator's ablations."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eval.trace_sim.synthetic import SyntheticSpec, WorkloadMix, generate
-from sglang_ext.eviction import POLICY_REGISTRY, EntryInfo, RequestInfo, make_policy
+from eval.trace_sim.ablations import SIM_POLICIES
+from eval.trace_sim.ablations import make_sim_policy as make_policy
 from eval.trace_sim.testing import random_paths, run, trace_from_paths
+from sglang_ext.eviction import EntryInfo, RequestInfo
 
-POLICIES = sorted(POLICY_REGISTRY)
+POLICIES = sorted(SIM_POLICIES)
 INFO = EntryInfo(n_blocks=1, n_tokens=64, start_token=0, token_type="user", compute_cost=1.0)
 
 

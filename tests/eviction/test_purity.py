@@ -15,4 +15,5 @@ def test_policy_core_imports_neither_sglang_nor_torch():
             "assert not bad, bad; print(sorted(e.POLICY_REGISTRY))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
-    assert "sae" in out.stdout and "belady" in out.stdout
+    assert "'sae'" in out.stdout and "'belady'" in out.stdout
+    assert "'sae-model'" not in out.stdout  # ablations are registered by the simulator only

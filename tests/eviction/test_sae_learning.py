@@ -10,8 +10,9 @@ import pytest
 
 from eval.trace_sim.synthetic import SyntheticSpec, WorkloadMix, generate
 from eval.trace_sim.testing import run
-from sglang_ext.eviction import EntryInfo, RequestInfo, SAEConfig, SAEPolicy
-from sglang_ext.eviction.sae import ReuseTimeModel, hit_density, soon
+from sglang_ext.eviction import EntryInfo, RequestInfo, SAEAblation, SAEConfig, SAEPolicy
+from sglang_ext.eviction.sae import RankClass, ReuseClass, ReuseTimeModel, hit_density, soon
+from sglang_ext.eviction.sae.expert import Proposals
 
 
 def _info(token_type: str, start: int = 0, blocks: int = 1, cost: float = 0.0) -> EntryInfo:
@@ -59,7 +60,7 @@ def test_size_classes_follow_a_shift_of_their_type():
 
 
 def test_output_size_classes_can_be_switched_off():
-    policy = SAEPolicy(replace(SAEConfig(), output_size_classes=False))
+    policy = SAEPolicy(ablation=SAEAblation(output_size_classes=False))
     _session_turns(policy, 1, "tool_call", gap=5.0, turns=10)
     assert ("session", "tool_call") in policy.state.classes
 
@@ -110,7 +111,7 @@ def test_overdue_session_goes_before_a_fresh_one_of_the_same_class():
 
 
 def test_cost_power_prefers_keeping_expensive_blocks():
-    config = replace(SAEConfig(), cost_power=1.0)
+    config = SAEConfig(cost_power=1.0)
     policy = SAEPolicy(config)
     policy.admit("deep", _info("user", start=100_000, cost=8.0), _req(0, 0.0, session=1))
     policy.admit("shallow", _info("user", start=0, cost=1.0), _req(1, 0.0, session=2))
@@ -124,29 +125,29 @@ def test_entries_reused_by_a_second_session_move_to_the_shared_queue():
     policy.admit("p", _info("system"), _req(0, 0.0, session=1))
     policy.set_evictable("p", True)
     policy.touch("p", _info("system"), _req(1, 1.0, session=2))
-    owner = policy._owners[policy._entries["p"].owner]
+    owner = policy.queues.owner_of("p")
     assert (owner.queue, owner.state) == ("shared", "system")
     assert policy.victim(2.0) == "p"
 
 
 def test_duels_score_the_model_by_which_candidate_returns_first():
-    policy = SAEPolicy(replace(SAEConfig(), use_lru_expert=True))
+    policy = SAEPolicy(ablation=SAEAblation(use_lru_expert=True))
     start = policy.state.model_win_rate
     for r in range(20):  # the model evicts "m", LRU would have evicted "l"; "m" comes back first
-        policy._proposals = (("m", r), ("l", r))
+        policy.expert.proposals = Proposals(("m", r), ("l", r))
         for key in (("m", r), ("l", r)):
             policy.admit(key, _info("user"), _req(2 * r, float(r), session=None))
             policy.set_evictable(key, True)
         policy.evicted(("m", r), None, r + 0.5)
         policy.admit(("m", r), _info("user"), _req(2 * r + 1, r + 0.7, session=None))
     assert policy.state.model_win_rate < start
-    policy._proposals = (policy._model_victim(100.0), policy._lru.peek())
-    if policy._proposals[0] != policy._proposals[1]:
-        assert policy.victim(100.0) == policy._lru.peek()  # losing model: LRU decides
+    model, lru = policy._model_victim(100.0), policy.expert.lru.peek()
+    if model != lru:
+        assert policy.victim(100.0) == lru  # losing model: LRU decides
 
 
 def test_learning_off_keeps_every_parameter():
-    policy = SAEPolicy(replace(SAEConfig(), learning=False))
+    policy = SAEPolicy(SAEConfig(learning=False))
     before = policy.state.snapshot()
     _session_turns(policy, 1, "tool_call", gap=5.0, turns=30)
     for i in range(30):
@@ -168,15 +169,15 @@ def test_warm_start_copies_state_instead_of_sharing_it():
     assert warm.reuse_model(klass).mu > source.reuse_model(klass).mu
 
 
-@pytest.mark.parametrize("overrides", [{}, {"hit_density": False}, {"use_lru_expert": True, "session_rate": 0.5,
-                                            "cost_power": 1.0}])
-def test_variants_are_deterministic_on_a_synthetic_trace(overrides):
+@pytest.mark.parametrize("settings, overrides", [({}, {}), ({}, {"hit_density": False}),
+                                                 ({"cost_power": 1.0}, {"use_lru_expert": True, "session_rate": 0.5})])
+def test_variants_are_deterministic_on_a_synthetic_trace(settings, overrides):
     mix = WorkloadMix(system_blocks=4, template_blocks=3, tool_output_blocks=3, n_templates=5)
     trace = generate(SyntheticSpec(phases=((mix, 300.0),), arrival_rate=0.3, seed=5))
     capacity = max(4, trace.n_blocks // 8)
-    config = replace(SAEConfig(), **overrides)
-    first = run(trace, SAEPolicy(config), capacity, check=True)
-    second = run(trace, SAEPolicy(config), capacity)
+    config, ablation = SAEConfig(**settings), SAEAblation(**overrides)
+    first = run(trace, SAEPolicy(config, ablation=ablation), capacity, check=True)
+    second = run(trace, SAEPolicy(config, ablation=ablation), capacity)
     assert first.cached == second.cached
     assert first.stats.hit_blocks == second.stats.hit_blocks
     assert first.stats.evicted_blocks > 0
@@ -184,19 +185,19 @@ def test_variants_are_deterministic_on_a_synthetic_trace(overrides):
 
 def test_duel_outcomes_are_weighted_by_what_was_at_stake():
     policy = SAEPolicy()
-    policy._score_model(True, stake=10.0)  # one expensive duel won ...
+    policy.expert.score(True, stake=10.0)  # one expensive duel won ...
     for _ in range(3):
-        policy._score_model(False, stake=1.0)  # ... outweighs three cheap ones lost
+        policy.expert.score(False, stake=1.0)  # ... outweighs three cheap ones lost
     assert policy.state.model_win_rate > 0.5
-    frozen = SAEPolicy(replace(SAEConfig(), learning=False))
-    frozen._score_model(False, stake=10.0)
+    frozen = SAEPolicy(SAEConfig(learning=False))
+    frozen.expert.score(False, stake=10.0)
     assert frozen.state.model_win_rate == 0.5
 
 
 def _late_return_run(late_returns: bool) -> SAEPolicy:
     """Sessions of a 5 s tool-call class; ten of them stay silent for 300 s (far past the
     class's 99th percentile, so they are declared ended) and then come back."""
-    policy = SAEPolicy(replace(SAEConfig(), late_returns=late_returns))
+    policy = SAEPolicy(ablation=SAEAblation(late_returns=late_returns))
     _session_turns(policy, 1, "tool_call", gap=5.0, turns=20)  # t = 0..95
     for i in range(10):
         policy.admit(("slow", i, 0), _info("tool_call"), _req(1000 + i, 100.0 + i, session=100 + i))
@@ -222,7 +223,7 @@ def _duel(policy: SAEPolicy, r: int, cost: float, model_right: bool) -> None:
     for j, key in enumerate((m, l)):
         policy.admit(key, _info("user", cost=cost), _req(10 * r + j, 10.0 * r, session=None))
         policy.set_evictable(key, True)
-    policy._proposals = (m, l)
+    policy.expert.proposals = Proposals(m, l)
     policy.evicted(m, None, 10.0 * r + 1)
     if model_right:
         policy.touch(l, _info("user", cost=cost), _req(10 * r + 5, 10.0 * r + 2, session=None))
@@ -232,7 +233,7 @@ def _duel(policy: SAEPolicy, r: int, cost: float, model_right: bool) -> None:
 
 @pytest.mark.parametrize("duel_cost_power, model_ahead", [(None, True), (0.0, False)])
 def test_duel_cost_power_sets_what_the_judge_counts(duel_cost_power, model_ahead):
-    policy = SAEPolicy(replace(SAEConfig(), duel_cost_power=duel_cost_power))
+    policy = SAEPolicy(ablation=SAEAblation(duel_cost_power=duel_cost_power))
     _duel(policy, 0, cost=1024.0, model_right=True)  # one expensive block kept rightly
     for r in range(1, 4):
         _duel(policy, r, cost=1.0, model_right=False)  # three cheap blocks lost
@@ -244,14 +245,15 @@ def test_hit_density_keeps_the_session_that_returns_sooner_when_both_will():
     """Both classes are sure to return (rho = 1) well within the horizon, so g ~ 1 for
     both; the hit density (references per block-second held) prefers the one that holds
     the space for less time: the 5 s tool-call class over the 60 s response class."""
-    policies = {density: SAEPolicy(replace(SAEConfig(), hit_density=density))
+    policies = {density: SAEPolicy(ablation=SAEAblation(hit_density=density))
                 for density in (True, False)}
     for policy in policies.values():
         _session_turns(policy, 1, "tool_call", gap=5.0, turns=30)
         _session_turns(policy, 2, "response", gap=60.0, turns=30, index0=1000)
         for state in (("tool_call", 1), ("response", 1)):
             policy.stats(("session", state)).reuse_prob = 1.0
-    slow, fast = ("session", ("response", 1), 0, 0), ("session", ("tool_call", 1), 0, 0)
+    slow = RankClass(ReuseClass("session", ("response", 1)), cost_bucket=0, pace=0)
+    fast = RankClass(ReuseClass("session", ("tool_call", 1)), cost_bucket=0, pace=0)
     horizon = 1e4
     g = policies[False]
     assert g.value(slow, 1.0, horizon) == pytest.approx(g.value(fast, 1.0, horizon), rel=1e-6)
