@@ -82,7 +82,7 @@ def _kinds(kinds: dict[str, int]) -> str:
 
 def markdown_table(rows: Sequence[dict]) -> str:
     lines = ["| server | requests | errors | prompt tokens | reused tokens | of ideal | LRU bound (of ideal) "
-             "| hit kinds | replayed tokens | TTFT mean / p50 / p95 s | wall s | other CPU % | threads |",
+             "| hit kinds | replayed tokens | TTFT mean / p50 / p95 s | wall s | other CPU % before / during | threads |",
              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["ttft_s"] is not None:
@@ -98,7 +98,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
             f"| {r['server']} | {r['requests']} | {r['errors']} | {r['prompt_tokens']:,} | "
             f"{r['reused_tokens']:,} | {_pct(r['reuse_of_ideal'])} | {r['lru_bound_tokens']:,} "
             f"({_pct(r['lru_bound_of_ideal'])}) | {_kinds(r['hit_kinds'])} | {replayed} | {ttft} | {wall} | "
-            f"{load.get('other_cpu_percent', '-')} | {_threads(r)} |")
+            f"{load.get('other_cpu_percent', '-')} / {r.get('other_cpu_percent_during', '-')} | {_threads(r)} |")
     return "\n".join(lines)
 
 
