@@ -22,7 +22,7 @@ from sglang_ext.tail_replay.config import BACKEND_NAME, REQUEST_PARAM_KEY, TailR
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
-from sglang.srt.mem_cache.unified_cache.components.base import TreeComponent
+from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, TreeComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_exec, mamba_cache_chunk_size, mamba_checkpoint_grid
@@ -95,6 +95,39 @@ class TailReplayMambaComponent(MambaComponent):
     def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
         if params.mamba_value is not None:
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+
+    def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
+        """State pressure frees states, never attention KV.
+
+        SGLang's walk over the state LRU hands back a whole device leaf (its attention KV too)
+        when the least recently used state sits on a leaf, because without Tail-Replay a leaf's KV
+        is useless once its state is gone. Here the KV is what makes a hit, so every state is freed
+        the way SGLang already frees states on inner nodes: the state alone; the node, its KV and
+        its place in the KV eviction order stay. Locked states (a running request's checkpoint,
+        the one a planned exact-checkpoint hit is about to copy) are skipped by the LRU walk.
+        With HiCache, SGLang's own walk runs (its host backups are tied to whole-leaf eviction).
+
+        May mutate: this component's walk cursor, the victim's state value and LRU membership,
+        `tracker`, `device_frees`.
+        """
+        if self.tree_core.enable_hicache:
+            return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
+        ct, lru = self.component_type, self.tree_core.lru_lists[self.component_type]
+        by_session = self.tree_core.enable_session_radix_cache
+        if self._evict_device_cursor is not None and not lru.in_list(self._evict_device_cursor):
+            self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_lru_no_lock()
+        victim = self._evict_device_cursor
+        if tracker[ct] >= self._evict_device_request_cnt or victim is None or not lru.in_list(victim):
+            return None
+        if not by_session:
+            self._evict_device_cursor = lru.get_prev_no_lock(victim)
+        self.tree_core._evict_component_and_detach_lru(
+            victim, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
+            host_frees=host_frees, cache_actions=cache_actions)
+        self.tree_core._update_evictable_leaf_sets(victim)
+        if by_session:
+            self._evict_device_cursor = lru.cursor_next()
+        return None
 
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
         withheld = getattr(req, "tail_replay_state_withheld", False)

@@ -25,7 +25,10 @@ from unittest import mock  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.mem_cache.allocation import ensure_mamba_capacity  # noqa: E402
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
@@ -75,6 +78,7 @@ class Harness:
                   sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom))
         req.init_next_round_input(self.cache)
         req.lock = self.cache.lock(req.last_node)
+        assert ensure_mamba_capacity(self.pool, [req], self.cache)   # the scheduler's state reclaim
         assert self.pool.alloc([req]) is not None
         prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
                   else torch.empty(0, dtype=torch.int64))
@@ -366,3 +370,58 @@ def test_a_stored_state_sits_at_the_depth_it_was_computed_at():
     h.assert_no_leak()
     req = h.admit(seq(1000, 42) + [1, 2, 3])
     assert req.tail_replay.kind is not HitKind.EXACT_CHECKPOINT, req.tail_replay
+
+
+# ---------------------------------------------------------------- state pressure
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_state_pressure_frees_states_but_keeps_every_branch_kv(page):
+    """Three state slots, eight branches, checkpoints kept: every finished request donates its
+    end state, and each new request's slot comes from the least recently used state. The KV of
+    every branch stays in the tree, so a later request on the oldest branch still hits all of it."""
+    h = Harness(page, mamba_size=3, max_reqs=2)
+    docs = [seq(10_000 * (i + 1), 40) for i in range(8)]
+    for doc in docs:
+        h.run(doc)
+        assert len(h.state_nodes()) <= h.mamba_total
+        h.assert_no_leak()
+    assert sorted(h.tree_kv()) == seq(1, 8 * 40)       # no branch lost any KV
+    held = [n for n, _ in h.nodes() if n.component_data[MAMBA].value is not None]
+    assert len(held) == h.mamba_total                     # the pool is the limit, not the tree
+    newest = [h.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", d)))).last_device_node
+              for d in docs[-3:]]
+    assert sorted(n.id for n in held) == sorted(newest)   # least recently used states went first
+    assert h.cache.mamba_evictable_size() == h.mamba_total
+
+    req = h.admit(docs[0][:36] + seq(5000, 6))           # the oldest branch, its state long gone
+    matched = floor_page(36, page)
+    prefix = floor_page(matched - 4, page)
+    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, matched, prefix, prefix)
+    assert h.cache.prefix_device_indices(req).tolist() == seq(1, prefix)
+    h.finish(req)
+    assert sorted(h.tree_kv())[:8 * 40] == seq(1, 8 * 40)
+    h.assert_no_leak()
+
+
+def test_state_pressure_spares_the_checkpoint_a_planned_hit_copies():
+    """A full state pool, and a request whose plan copies the least recently used state: the slot
+    its own state needs comes from another state, never from the one it copies."""
+    h = Harness(1, mamba_size=3, max_reqs=2)
+    docs = [seq(10_000 * (i + 1), 40) for i in range(3)]
+    for doc in docs:
+        h.run(doc)
+    oldest = h.cache.tree_core.node_by_id(h.cache.match_prefix(
+        MatchPrefixParams(key=RadixKey(array("q", docs[0])))).last_device_node)
+    oldest_slot = int(oldest.component_data[MAMBA].value.item())
+    assert h.pool.mamba_allocator.available_size() == 0
+    req = h.admit(docs[0] + seq(7000, 8))
+    assert req.tail_replay == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert req.kv.mamba_cow_src_index.tolist() == [oldest_slot]
+    assert oldest.component_data[MAMBA].value is not None
+    assert int(oldest.component_data[MAMBA].value.item()) == oldest_slot
+    held = [n for n, _ in h.nodes() if n.component_data[MAMBA].value is not None]
+    assert len(held) == 2 and oldest in held              # another state made room
+    assert sorted(h.tree_kv()) == seq(1, 3 * 40)
+    h.finish(req)
+    h.assert_no_leak()

@@ -7,7 +7,8 @@ lock (inc_lock_ref) / unlock (dec_lock_ref) / evict steps, with per-request conf
 After every step: no leaked KV slot or state slot (free + tree-held + request-held covers every
 slot exactly once), the tree's evictable + protected sizes add up to what it holds and the
 protected size is what the locks cover (SGLang's own `sanity_check` passes too), and every
-locked path still holds the same KV slots, whoever evicted. At every insert: states of
+locked path still holds the same KV slots, whoever evicted; evicting states alone (state-pool
+pressure) never frees attention KV. At every insert: states of
 approximate requests never enter the tree, a stored state sits at the depth it was computed at,
 and with keep_checkpoints=False the tree never holds a state.
 
@@ -186,7 +187,9 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         else:
             assert not req.kv.holds_mamba and req.kv.mamba_cow_src_index is None
         if self.pool.mamba_allocator.available_size() == 0 and not req.kv.holds_mamba:
+            tree_kv = self.cache.all_values_flatten().tolist()
             self.cache.evict(EvictParams(num_tokens=0, mamba_num=1))
+            assert self.cache.all_values_flatten().tolist() == tree_kv, "state pressure evicted KV"
         need = len(tokens) - req.prefix_len
         if self.pool.mamba_allocator.available_size() == 0 and not req.kv.holds_mamba or not self.ensure_kv(need):
             # not admitted: drop the lock and the state slot the match may have taken
@@ -315,6 +318,8 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             assert result.num_tokens_evicted >= num_tokens
         if mamba_num <= states_evictable:
             assert result.mamba_num_evicted >= mamba_num
+        if num_tokens == 0:   # state pressure alone frees states, never attention KV
+            assert result.num_tokens_evicted == 0 and len(self.cache.all_values_flatten()) == tree_kv
 
     # ---------------------------------------------------------------- invariants
 
