@@ -120,8 +120,9 @@ def plot(path: Path, reuse: dict[str, Sequence[dict]], ttfts: dict[str, Sequence
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     left.plot(_cumsum(ideal), label="ideal (infinite cache)", color="black", linestyle="--")
     left.plot(_cumsum(lru), label="LRU bound (same KV pool)", color="gray", linestyle=":")
-    for label, records in reuse.items():
-        left.plot(_cumsum([r["cached_tokens"] if r["ok"] else 0 for r in records]), label=label)
+    for k, (label, records) in enumerate(reuse.items()):  # later servers thinner: overlaps stay visible
+        left.plot(_cumsum([r["cached_tokens"] if r["ok"] else 0 for r in records]), label=label,
+                  linewidth=max(3.5 - 1.0 * k, 1.0))
     for label, values in ttfts.items():
         xs = sorted(values)
         if xs:
