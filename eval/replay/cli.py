@@ -204,6 +204,8 @@ def _slug(label: str, i: int) -> str:
 
 
 def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, refs, args, trace_info) -> tuple[dict, list[dict]]:
+    """Warm, flush, sample the load, replay; the server's summary row and its request records
+    (with the timings removed when they are withheld)."""
     url = server.url
     _warm_and_flush(url, trace_info["tokens_per_block"], args.seed)
     load = sample_load(exclude_pids=all_pids, seconds=args.load_sample_s)
@@ -219,6 +221,8 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
                     f"rerun on a quiet machine or pass --allow-busy")
     for rec, ideal, lru in zip(records, refs["ideal"].per_request, refs["lru"].per_request):
         rec["ideal_tokens"], rec["lru_bound_tokens"] = ideal, lru
+        if withheld:
+            rec["ttft_s"] = rec["latency_s"] = None
     timing = {"wall_s": wall, "machine_load": load.as_dict(), "other_cpu_percent_during": other_during,
               "busy": busy, "timings_withheld": withheld, "server_threads": threads,
               "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
