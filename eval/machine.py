@@ -80,6 +80,29 @@ def _torch_threads() -> int:
     return int(torch.get_num_threads())
 
 
+class CpuWindow:
+    """`other_cpu_percent` over a longer stretch (e.g. a whole timed replay) without sleeping:
+    `start()` before, `stop()` after; same definition and exclusions as `sample_load`."""
+
+    def __init__(self, exclude_pids: Iterable[int] = ()) -> None:
+        self.excluded = sorted({os.getpid(), *exclude_pids})
+        self._ours: dict[int, float] = {}
+        self._busy = self._t0 = 0.0
+
+    def start(self) -> "CpuWindow":
+        self._ours = {}
+        _tree_cpu_seconds(self.excluded, self._ours)
+        self._busy, self._t0 = _busy_seconds(), time.monotonic()
+        return self
+
+    def stop(self) -> float:
+        busy, elapsed = _busy_seconds() - self._busy, time.monotonic() - self._t0
+        ours_after: dict[int, float] = {}
+        _tree_cpu_seconds(self.excluded, ours_after)
+        ours = sum(ours_after[p] - self._ours.get(p, 0.0) for p in ours_after)
+        return other_cpu_percent(busy, ours, elapsed, psutil.cpu_count() or 1)
+
+
 def sample_load(exclude_pids: Iterable[int] = (), seconds: float = 1.0) -> MachineLoad:
     """Sample the machine for `seconds`; processes in `exclude_pids` (and their descendants) and
     this process do not count as "other" load. Blocks for `seconds`."""
@@ -114,25 +137,3 @@ def require_quiet(load: MachineLoad, allow_busy: bool, max_other_cpu_percent: fl
         f"{load.loadavg_1m:.2f}; timings taken now would not be comparable. Wait for a quiet "
         f"machine, or pass --allow-busy to run anyway with the timings labelled as busy.")
 
-
-class CpuWindow:
-    """`other_cpu_percent` over a longer stretch (e.g. a whole timed replay) without sleeping:
-    `start()` before, `stop()` after; same definition and exclusions as `sample_load`."""
-
-    def __init__(self, exclude_pids: Iterable[int] = ()) -> None:
-        self.excluded = sorted({os.getpid(), *exclude_pids})
-        self._ours: dict[int, float] = {}
-        self._busy = self._t0 = 0.0
-
-    def start(self) -> "CpuWindow":
-        self._ours = {}
-        _tree_cpu_seconds(self.excluded, self._ours)
-        self._busy, self._t0 = _busy_seconds(), time.monotonic()
-        return self
-
-    def stop(self) -> float:
-        busy, elapsed = _busy_seconds() - self._busy, time.monotonic() - self._t0
-        ours_after: dict[int, float] = {}
-        _tree_cpu_seconds(self.excluded, ours_after)
-        ours = sum(ours_after[p] - self._ours.get(p, 0.0) for p in ours_after)
-        return other_cpu_percent(busy, ours, elapsed, psutil.cpu_count() or 1)
