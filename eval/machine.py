@@ -104,8 +104,8 @@ class CpuWindow:
 
 
 def sample_load(exclude_pids: Iterable[int] = (), seconds: float = 1.0) -> MachineLoad:
-    """Sample the machine for `seconds`; processes in `exclude_pids` (and their descendants) and
-    this process do not count as "other" load. Blocks for `seconds`."""
+    """Sample the machine for `seconds`; this process, `exclude_pids` and all their descendants
+    (so any server this process started) do not count as "other" load. Blocks for `seconds`."""
     if not seconds > 0:
         raise ValueError(f"seconds must be > 0, got {seconds!r}")
     window = CpuWindow(exclude_pids).start()
