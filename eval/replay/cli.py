@@ -1,0 +1,329 @@
+"""`python -m eval.replay`: replay a real trace through live patched servers, side by side.
+
+The trace's block hashes become synthetic token ids (`eval.replay.tokens`); every server gets
+the same token sequences in the same order, greedy, `--new-tokens` output tokens each. Servers
+replay one after another, each booted only for its own replay (`--boot each`, the default: one
+server in memory, nothing else of ours running while it is timed; `--boot together` boots all at
+once and lets the idle ones sleep, faster to start). Each server's cache is warmed with one
+unrelated request and flushed before its replay. Reuse comes from
+`meta_info.cached_tokens` and is deterministic for one-at-a-time replays; latency is not.
+
+TTFT is measured with streaming: POST to the first streamed chunk (the first output token).
+Machine load is sampled before each replay (`eval.machine.sample_load`, excluding this process
+and every server) and measured over the replay itself; timings of a server whose replay ran on a
+busy machine are withheld unless `--allow-busy`, and then labelled "(busy)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+from tqdm import tqdm
+
+from eval.machine import BusyMachineError, CpuWindow, require_quiet, sample_load
+from eval.replay.bound import ideal_curve, lru_curve
+from eval.replay.report import markdown_table, plot, summarize
+from eval.replay.servers import ServerSpec, ServerSpecError, flush_cache, parse_server_specs, stream_generate
+from eval.replay.tokens import TOKEN_HI, ScaledRequest, block_tokens, scale_trace
+from eval.trace_sim.loaders import DEFAULT_TRACE_ROOT, KvLoadOptions, load_kv_cache_tester, load_mooncake
+
+TRACE_NAMES = {
+    "mooncake-conversation": ("mooncake", "mooncake/conversation_trace.jsonl.gz"),
+    "mooncake-synthetic": ("mooncake", "mooncake/synthetic_trace.jsonl.gz"),
+    "kv-cache-tester": ("kv-cache-tester", "kv-cache-tester"),
+}
+#: --mem-fraction-static 0.5: SGLang refuses to start when free memory drops by more than
+#: (1 - fraction) while it loads the weights, which other jobs on a shared machine cause; the pools
+#: are sized by --max-total-tokens / --max-mamba-cache-size anyway
+DEFAULT_SERVER_ARGS = "--dtype float32 --log-level warning --mem-fraction-static 0.5"
+THREAD_ENV = re.compile(r"^(OMP_|KMP_|MKL_|GOMP_|SGLANG_EXT_CPU|TORCH_NUM)")
+WARMUP_BLOCK = 1 << 40  # a block id no trace reaches
+
+
+class ReplayError(ValueError):
+    """Bad replay input (trace, model, option); the message names it."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default="mooncake-conversation",
+                   help=f"{', '.join(TRACE_NAMES)}; or a Mooncake *.jsonl(.gz) file; or a directory of "
+                        "kv-cache-tester trace_*.json.gz files")
+    p.add_argument("--traces-root", type=Path, default=DEFAULT_TRACE_ROOT,
+                   help="where the named traces live (default: ../shared/traces of the repository)")
+    p.add_argument("--requests", type=int, default=600, help="replay the first N requests in time order")
+    p.add_argument("--sessions", type=int, default=48,
+                   help="kv-cache-tester: conversations loaded (the first N files), interleaved by arrival time")
+    p.add_argument("--session-gap-s", type=float, default=KvLoadOptions.arrival_gap_s,
+                   help="kv-cache-tester: mean gap between conversation starts (seeded Poisson)")
+    p.add_argument("--tokens-per-block", type=int, default=None,
+                   help="synthetic tokens per trace block (default: 16 for Mooncake, 1 for kv-cache-tester)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
+    p.add_argument("--max-total-tokens", type=int, default=262144, help="KV pool of every server (tokens)")
+    p.add_argument("--max-mamba-cache-size", type=int, default=32, help="recurrent-state slots of every server")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (1: one at a time)")
+    p.add_argument("--new-tokens", type=int, default=1, help="greedy output tokens per request")
+    p.add_argument("--servers", nargs="+", default=["stock", "tail_replay"],
+                   help="server specs: [LABEL=]KIND[:JSON] [SGLANG ARGS...], KIND stock or tail_replay; "
+                        "e.g. stock 'tail_replay:{\"keep_checkpoints\": false}' "
+                        "'lfu=stock --radix-eviction-policy lfu'")
+    p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
+                   help="sglang serve arguments for every server (shell-quoted)")
+    p.add_argument("--boot", choices=("together", "each"), default="each",
+                   help="each: boot each server only for its own replay; together: boot all at once, "
+                        "replay one after another (idle servers sleep)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: build the tiny Qwen3-Next fixture under --out)")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--allow-busy", action="store_true",
+                   help="report timings taken on a busy machine (labelled busy) instead of withholding them")
+    p.add_argument("--max-other-cpu", type=float, default=25.0,
+                   help="busy threshold: %% of all CPUs used by other processes")
+    p.add_argument("--load-sample-s", type=float, default=2.0, help="seconds of each machine-load sample")
+    return p
+
+
+# ---------------------------------------------------------------------------- trace
+
+def load_trace(args) -> tuple[dict, list[ScaledRequest]]:
+    """(trace description, scaled requests) for the options."""
+    kind, path = _resolve_trace(args.trace, args.traces_root)
+    tokens_per_block = args.tokens_per_block or (16 if kind == "mooncake" else 1)
+    if kind == "mooncake":
+        trace = load_mooncake(path, limit=args.requests)
+        sessions_loaded = None
+    else:
+        trace = load_kv_cache_tester(path, KvLoadOptions(arrival_gap_s=args.session_gap_s,
+                                                         limit_files=args.sessions))
+        sessions_loaded = min(args.sessions, len(list(path.glob("trace_*.json.gz"))))
+    scaled = scale_trace(trace, tokens_per_block, args.requests, seed=args.seed)
+    if not scaled:
+        raise ReplayError(f"--trace {args.trace}: no request with at least one block")
+    info = {"name": trace.name, "path": str(path), "format": kind, "block_tokens": trace.block_tokens,
+            "tokens_per_block": tokens_per_block, "requests": len(scaled),
+            "sessions_loaded": sessions_loaded,
+            "sessions_in_replay": len({r.session for r in scaled}) if kind != "mooncake" else None,
+            "prompt_tokens": sum(len(r.tokens) for r in scaled),
+            "max_prompt_tokens": max(len(r.tokens) for r in scaled), "notes": list(trace.notes)}
+    return info, scaled
+
+
+def _resolve_trace(name: str, root: Path) -> tuple[str, Path]:
+    if name in TRACE_NAMES:
+        kind, rel = TRACE_NAMES[name]
+        path = Path(root) / rel
+        if not path.exists():
+            raise ReplayError(f"--trace {name}: {path} does not exist (set --traces-root)")
+        return kind, path
+    path = Path(name)
+    if path.is_dir():
+        return "kv-cache-tester", path
+    if path.is_file() and (path.name.endswith(".jsonl.gz") or path.name.endswith(".jsonl")):
+        return "mooncake", path
+    raise ReplayError(f"--trace {name!r}: not a known trace ({', '.join(TRACE_NAMES)}), a Mooncake "
+                      ".jsonl(.gz) file or a kv-cache-tester directory")
+
+
+# ---------------------------------------------------------------------------- model
+
+def resolve_model(args) -> Path:
+    if args.model is None:
+        from sglang_ext.models.tiny import build_tiny_model
+
+        model = args.out / "model-qwen3-next"
+        if not (model / "config.json").exists():
+            build_tiny_model("qwen3-next", model, seed=0)
+    else:
+        model = Path(args.model)
+    config = model / "config.json"
+    if not config.exists():
+        raise ReplayError(f"--model {model}: no config.json there")
+    vocab = json.loads(config.read_text()).get("vocab_size")
+    if vocab is not None and vocab < TOKEN_HI:
+        raise ReplayError(f"--model {model}: vocab_size {vocab} < {TOKEN_HI}, the synthetic ids' range")
+    return model
+
+
+# ---------------------------------------------------------------------------- replay
+
+def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, concurrency: int,
+                    desc: str) -> tuple[list[dict], float]:
+    """Send every request (at most `concurrency` in flight, submitted in order); records in
+    request order and the wall time from the first send to the last answer."""
+    def one(req: ScaledRequest) -> dict:
+        resp = stream_generate(url, list(req.tokens), new_tokens)
+        details = (resp.meta_info.get("cached_tokens_details") or {}) if resp.ok else {}
+        return {"index": req.index, "session": req.session, "prompt_tokens": len(req.tokens),
+                "ok": resp.ok, "error": resp.error,
+                "cached_tokens": int(resp.meta_info.get("cached_tokens") or 0) if resp.ok else 0,
+                "tail_replay": details.get("tail_replay"), "ttft_s": resp.ttft_s,
+                "latency_s": resp.latency_s}
+
+    records: list[dict] = [None] * len(requests)  # type: ignore[list-item]
+    bar = tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [pool.submit(one, req) for req in requests]
+        for i, future in enumerate(futures):
+            records[i] = future.result()
+            bar.update(1)
+    wall = time.perf_counter() - t0
+    bar.close()
+    return records, wall
+
+
+def _warm_and_flush(url: str, tokens_per_block: int, seed: int) -> None:
+    """One unrelated request (first-call costs out of the timings), then an empty cache."""
+    warm = block_tokens([WARMUP_BLOCK + i for i in range(max(1, 64 // tokens_per_block))], tokens_per_block, seed)
+    resp = stream_generate(url, [int(t) for t in warm], 1)
+    if not resp.ok:
+        raise RuntimeError(f"warm-up request failed on {url}: {resp.error}")
+    flush_cache(url)
+
+
+def _server_threads(pid: int) -> int:
+    try:
+        root = psutil.Process(pid)
+        return sum(p.num_threads() for p in [root, *root.children(recursive=True)])
+    except psutil.Error:
+        return 0
+
+
+def _slug(label: str, i: int) -> str:
+    return f"{i}-{re.sub(r'[^A-Za-z0-9_.+-]+', '_', label).strip('_')[:60]}"
+
+
+def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, refs, args, trace_info) -> tuple[dict, list[dict]]:
+    """Warm, flush, sample the load, replay; the server's summary row and its request records
+    (with the timings removed when they are withheld)."""
+    url = server.url
+    _warm_and_flush(url, trace_info["tokens_per_block"], args.seed)
+    load = sample_load(exclude_pids=all_pids, seconds=args.load_sample_s)
+    threads = _server_threads(server.proc.pid)
+    window = CpuWindow(all_pids).start()
+    records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label)
+    other_during = window.stop()
+    busy = max(load.other_cpu_percent, other_during) > args.max_other_cpu
+    withheld = None
+    if busy and not args.allow_busy:
+        withheld = (f"machine busy: other processes used {load.other_cpu_percent:.0f}% of the CPUs before "
+                    f"and {other_during:.0f}% during the replay (limit {args.max_other_cpu:g}%); "
+                    f"rerun on a quiet machine or pass --allow-busy")
+    for rec, ideal, lru in zip(records, refs["ideal"].per_request, refs["lru"].per_request):
+        rec["ideal_tokens"], rec["lru_bound_tokens"] = ideal, lru
+        if withheld:
+            rec["ttft_s"] = rec["latency_s"] = None
+    timing = {"wall_s": wall, "machine_load": load.as_dict(), "other_cpu_percent_during": other_during,
+              "busy": busy, "timings_withheld": withheld, "server_threads": threads,
+              "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
+              "launch_args": spec.launch_args(_common_args(args))}
+    row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
+    slug = _slug(spec.label, i)
+    with open(args.out / f"requests-{slug}.jsonl", "w") as handle:
+        for rec in records:
+            handle.write(json.dumps(rec) + "\n")
+    return row, records
+
+
+def _common_args(args) -> list[str]:
+    return shlex.split(args.server_args) + ["--max-total-tokens", str(args.max_total_tokens),
+                                            "--max-mamba-cache-size", str(args.max_mamba_cache_size)]
+
+
+def run(args) -> dict:
+    """The whole replay; writes report.json, report.md, replay.png and per-request JSONL."""
+    from sglang_ext.testing import ServerProcess, servers_running
+
+    for flag in ("requests", "concurrency", "new_tokens", "max_total_tokens", "max_mamba_cache_size", "sessions"):
+        if getattr(args, flag) < 1:
+            raise ReplayError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    specs = parse_server_specs(args.servers)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start_load = sample_load(seconds=args.load_sample_s)
+    require_quiet(start_load, args.allow_busy, args.max_other_cpu)
+    trace_info, scaled = load_trace(args)
+    sequences = [r.tokens for r in scaled]
+    refs = {"ideal": ideal_curve(sequences), "lru": lru_curve(sequences, args.max_total_tokens)}
+    model = resolve_model(args)
+    procs = [ServerProcess(str(model), spec.launch_args(_common_args(args)),
+                           log_path=args.out / f"server-{_slug(spec.label, i)}.log")
+             for i, spec in enumerate(specs)]
+    rows, per_server = [], {}
+    groups = [list(range(len(specs)))] if args.boot == "together" else [[i] for i in range(len(specs))]
+    for group in groups:
+        with servers_running([procs[i] for i in group]):
+            pids = [procs[i].proc.pid for i in group]
+            for i in group:
+                row, records = run_server(specs[i], i, procs[i], pids, scaled, refs, args, trace_info)
+                rows.append(row)
+                per_server[specs[i].label] = records
+    argv = getattr(args, "argv", None)
+    command = "python -m eval.replay " + shlex.join(argv) if argv is not None else shlex.join(sys.argv)
+    report = {"command": command, "trace": trace_info,
+              "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                          if k != "argv"},
+              "model": str(model), "start_load": start_load.as_dict(),
+              "references": {"ideal_tokens": refs["ideal"].total, "lru_bound_tokens": refs["lru"].total,
+                             "lru_capacity_tokens": args.max_total_tokens},
+              "servers": rows}
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    (args.out / "report.md").write_text(_markdown(report))
+    ttfts = {r["server"]: [x["ttft_s"] for x in per_server[r["server"]] if x["ok"]]
+             for r in rows if r["ttft_s"] is not None}
+    plot(args.out / "replay.png", per_server, ttfts, refs["ideal"].per_request, refs["lru"].per_request,
+         _title(trace_info, args))
+    return report
+
+
+def _title(info: dict, args) -> str:
+    return (f"{info['name']}: {info['requests']} requests, {info['tokens_per_block']} tokens/block, "
+            f"KV pool {args.max_total_tokens:,}, {args.max_mamba_cache_size} state slots, "
+            f"concurrency {args.concurrency}, {args.new_tokens} new token(s)")
+
+
+def _markdown(report: dict) -> str:
+    info, refs = report["trace"], report["references"]
+    load = report["start_load"]
+    lines = [f"# Trace replay: {_title(info, argparse.Namespace(**report['options']))}", "",
+             f"Command: `{report['command']}`", "",
+             f"Trace: {info['path']} ({info['requests']} requests, {info['prompt_tokens']:,} prompt tokens, "
+             f"longest {info['max_prompt_tokens']:,}"
+             + (f", {info['sessions_in_replay']} of {info['sessions_loaded']} sessions present" if info["sessions_loaded"] else "")
+             + f"). Ideal reuse {refs['ideal_tokens']:,} tokens; LRU bound at {refs['lru_capacity_tokens']:,} "
+             f"tokens {refs['lru_bound_tokens']:,}.", "",
+             f"Machine at start: load average {load['loadavg_1m']:.2f}, other processes {load['other_cpu_percent']}% "
+             f"of {load['cpu_count']} CPUs, OMP_NUM_THREADS={load['omp_num_threads']}, client torch threads "
+             f"{load['torch_threads']}.", "",
+             markdown_table(report["servers"]), ""]
+    for row in report["servers"]:
+        if row["timings_withheld"]:
+            lines.append(f"- {row['server']}: timings withheld, {row['timings_withheld']}")
+        elif row["busy"]:
+            lines.append(f"- {row['server']}: timed on a busy machine (--allow-busy): other processes "
+                         f"{row['machine_load']['other_cpu_percent']}% before, "
+                         f"{row['other_cpu_percent_during']}% during the replay")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        report = run(args)
+    except (ReplayError, ServerSpecError, BusyMachineError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print((args.out / "report.md").read_text())
+    print(f"wrote {args.out}/report.json, report.md, replay.png")
+    return 0 if all(r["errors"] == 0 for r in report["servers"]) else 1

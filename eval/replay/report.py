@@ -1,0 +1,147 @@
+"""Per-server summaries of a replay, the markdown table and the plot (no SGLang, no HTTP).
+
+A request record (one JSON line per request in `requests-<server>.jsonl`) has: `index`,
+`session`, `prompt_tokens` (tokens sent), `ok`, `error`, `cached_tokens` (meta_info),
+`tail_replay` (meta_info.cached_tokens_details.tail_replay or None), `ttft_s`, `latency_s`,
+`ideal_tokens`, `lru_bound_tokens`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def hit_kinds(records: Sequence[dict]) -> dict[str, int]:
+    """Tail-Replay's own kind per request where the server reports one; otherwise `hit`
+    (cached_tokens > 0) or `miss`. Failed requests count as `error`."""
+    kinds: Counter[str] = Counter()
+    for r in records:
+        if not r["ok"]:
+            kinds["error"] += 1
+        elif r.get("tail_replay"):
+            kinds[r["tail_replay"]["kind"]] += 1
+        else:
+            kinds["hit" if r["cached_tokens"] else "miss"] += 1
+    return dict(sorted(kinds.items()))
+
+
+def summarize(label: str, records: Sequence[dict], ideal_total: int, lru_total: int,
+              timing: dict) -> dict:
+    """One server's row. `timing` carries `wall_s`, `machine_load`, `busy`, `timings_withheld`
+    (a reason, or None) and the thread settings; TTFT statistics are left out when withheld."""
+    ok = [r for r in records if r["ok"]]
+    reused = sum(r["cached_tokens"] for r in ok)
+    details = [r["tail_replay"] for r in ok if r.get("tail_replay")]
+    ttfts = [r["ttft_s"] for r in ok]
+    withheld = timing.get("timings_withheld")
+    row = {
+        "server": label,
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in records),
+        "reused_tokens": reused,
+        "ideal_tokens": ideal_total,
+        "reuse_of_ideal": reused / ideal_total if ideal_total else None,
+        "lru_bound_tokens": lru_total,
+        "lru_bound_of_ideal": lru_total / ideal_total if ideal_total else None,
+        "hit_kinds": hit_kinds(records),
+        "matched_tokens": sum(d["matched_tokens"] for d in details) if details else None,
+        "replayed_tokens": sum(d["replayed_tokens"] for d in details) if details else None,
+        **{k: v for k, v in timing.items() if k != "timings_withheld"},
+        "timings_withheld": withheld,
+    }
+    if withheld is None and ttfts:
+        row["ttft_s"] = {"mean": sum(ttfts) / len(ttfts), "p50": percentile(ttfts, 50),
+                         "p95": percentile(ttfts, 95)}
+    else:
+        row["ttft_s"] = None
+        row["wall_s"] = None
+    return row
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
+def _kinds(kinds: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in kinds.items())
+
+
+def markdown_table(rows: Sequence[dict]) -> str:
+    lines = ["| server | requests | errors | prompt tokens | reused tokens | of ideal | LRU bound (of ideal) "
+             "| hit kinds | replayed tokens | TTFT mean / p50 / p95 s | wall s | other CPU % before / during | threads |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["ttft_s"] is not None:
+            t = r["ttft_s"]
+            busy = " (busy)" if r.get("busy") else ""
+            ttft = f"{t['mean']:.3f} / {t['p50']:.3f} / {t['p95']:.3f}{busy}"
+            wall = f"{r['wall_s']:.1f}{busy}"
+        else:
+            ttft = wall = "withheld (busy)"
+        load = r.get("machine_load") or {}
+        replayed = "-" if r["replayed_tokens"] is None else f"{r['replayed_tokens']:,}"
+        lines.append(
+            f"| {r['server']} | {r['requests']} | {r['errors']} | {r['prompt_tokens']:,} | "
+            f"{r['reused_tokens']:,} | {_pct(r['reuse_of_ideal'])} | {r['lru_bound_tokens']:,} "
+            f"({_pct(r['lru_bound_of_ideal'])}) | {_kinds(r['hit_kinds'])} | {replayed} | {ttft} | {wall} | "
+            f"{load.get('other_cpu_percent', '-')} / {r.get('other_cpu_percent_during', '-')} | {_threads(r)} |")
+    return "\n".join(lines)
+
+
+def _threads(row: dict) -> str:
+    load = row.get("machine_load") or {}
+    omp = row.get("server_env", {}).get("OMP_NUM_THREADS")
+    return f"OMP={omp or 'unset'}, server threads {row.get('server_threads', '-')}, cpus {load.get('cpu_count', '-')}"
+
+
+def plot(path: Path, reuse: dict[str, Sequence[dict]], ttfts: dict[str, Sequence[float]],
+         ideal: Sequence[int], lru: Sequence[int], title: str) -> Path:
+    """Left: cumulative reused tokens vs request index (servers, ideal, LRU bound); right: TTFT
+    CDF of the servers in `ttfts` (the caller leaves out servers whose timings were withheld)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.plot(_cumsum(ideal), label="ideal (infinite cache)", color="black", linestyle="--")
+    left.plot(_cumsum(lru), label="LRU bound (same KV pool)", color="gray", linestyle=":")
+    for k, (label, records) in enumerate(reuse.items()):  # later servers thinner: overlaps stay visible
+        left.plot(_cumsum([r["cached_tokens"] if r["ok"] else 0 for r in records]), label=label,
+                  linewidth=max(3.5 - 1.0 * k, 1.0))
+    for label, values in ttfts.items():
+        xs = sorted(values)
+        if xs:
+            right.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+    left.set(xlabel="request index", ylabel="cumulative reused tokens", title="reuse")
+    right.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF", xscale="log")
+    left.legend(fontsize=8)
+    if ttfts:
+        right.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _cumsum(xs: Sequence[int]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out
