@@ -180,17 +180,10 @@ def build_model(out: Path, layout: str) -> Path:
 
 
 def sample_load(exclude_pids: list[int], allow_busy: bool) -> dict:
-    """Machine load now (eval.machine when present, else the load average only); refuses a busy
-    machine unless `allow_busy`."""
-    try:
-        from eval.machine import require_quiet
-        from eval.machine import sample_load as machine_sample_load
-    except ImportError:   # until eval.machine exists: the load average against the core count
-        load1, cpus = os.getloadavg()[0], os.cpu_count() or 1
-        if load1 > cpus and not allow_busy:
-            raise SystemExit(f"machine busy: 1-minute load average {load1:.1f} > {cpus} cores; "
-                             "rerun with --allow-busy to measure anyway (and say so)")
-        return {"loadavg_1m": load1, "cpu_count": cpus, "source": "os.getloadavg"}
+    """Machine load now (`eval.machine`); refuses a busy machine unless `allow_busy`."""
+    from eval.machine import require_quiet
+    from eval.machine import sample_load as machine_sample_load
+
     load = machine_sample_load(exclude_pids=tuple(exclude_pids), seconds=1.0)
     require_quiet(load, allow_busy)
     return {**load.as_dict(), "source": "eval.machine"}
