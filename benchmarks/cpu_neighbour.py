@@ -46,21 +46,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_ext.env import (  # noqa: E402
-    CPU_THREADS_VAR,
-    GOMP_SPINCOUNT_VAR,
-    KMP_BLOCKTIME_VAR,
-    MKL_NUM_THREADS_VAR,
-    OMP_NUM_THREADS_VAR,
-    OMP_WAIT_POLICY_VAR,
-)
+from sglang_ext.env import CPU_THREADS_VAR, THREAD_VARS  # noqa: E402
 from sglang_ext.launcher import cpu_thread_env  # noqa: E402
 from sglang_ext.testing import ServerProcess, servers_running  # noqa: E402
 
 TOKEN_LO, TOKEN_HI = 10, 500           # random prompt ids (the tiny model's vocabulary is 512)
 #: this script's own thread settings, never passed to the servers
-THREAD_VARS = (CPU_THREADS_VAR, OMP_NUM_THREADS_VAR, MKL_NUM_THREADS_VAR, OMP_WAIT_POLICY_VAR,
-               GOMP_SPINCOUNT_VAR, KMP_BLOCKTIME_VAR)
 NEIGHBOURS = {
     # one busy Python thread each
     "spin": "while True: pass",

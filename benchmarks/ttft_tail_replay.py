@@ -52,20 +52,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.flops import PrefillCost, cost_of_checkpoint  # noqa: E402
+from sglang_ext.env import THREAD_VARS  # noqa: E402
 from sglang_ext.tail_replay.config import parse_config, with_overrides  # noqa: E402
 from sglang_ext.tail_replay.planner import replay_window  # noqa: E402
-from sglang_ext.env import (  # noqa: E402
-    CPU_THREADS_VAR,
-    GOMP_SPINCOUNT_VAR,
-    KMP_BLOCKTIME_VAR,
-    MKL_NUM_THREADS_VAR,
-    OMP_NUM_THREADS_VAR,
-    OMP_WAIT_POLICY_VAR,
-)
 from sglang_ext.testing import ServerProcess, servers_running  # noqa: E402
 
-THREAD_VARS = (CPU_THREADS_VAR, OMP_NUM_THREADS_VAR, MKL_NUM_THREADS_VAR, OMP_WAIT_POLICY_VAR,
-               GOMP_SPINCOUNT_VAR, KMP_BLOCKTIME_VAR)
 
 TOKEN_LO, TOKEN_HI = 10, 500          # random prompt ids (the tiny model's vocabulary is 512)
 SERVER_BUDGET = 0.05

@@ -33,6 +33,9 @@ OMP_WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT_VAR = "GOMP_SPINCOUNT"
 #: Intel OpenMP (if torch was built against it): milliseconds a thread spins after a parallel region.
 KMP_BLOCKTIME_VAR = "KMP_BLOCKTIME"
+#: every thread setting the CPU launcher decides (recorded by the benchmarks)
+THREAD_VARS = (CPU_THREADS_VAR, OMP_NUM_THREADS_VAR, MKL_NUM_THREADS_VAR, OMP_WAIT_POLICY_VAR,
+               GOMP_SPINCOUNT_VAR, KMP_BLOCKTIME_VAR)
 
 
 @dataclass(frozen=True)
