@@ -81,8 +81,7 @@ def test_state_pressure_keeps_the_attention_kv(servers):
     KV stays, and the first document, whose state is long gone, is still reused."""
     server = servers["tail_replay"]
     requests.post(f"{server.url}/flush_cache", timeout=60).raise_for_status()
-    documents = [random_prompt(150, seed=100 + i) for i in range(2 * STATE_SLOTS)]   # 2,400 tokens
-    documents = documents[:KV_TOKENS // 160]                                       # fit the KV pool
+    documents = [random_prompt(150, seed=100 + i) for i in range(KV_TOKENS // 160)]   # fit the KV pool
     assert len(documents) > STATE_SLOTS
     for doc in documents:
         ask(server, doc, new_tokens=1)
