@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["sglang_ext", "sglang_ext.*", "patches", "patches.*",
                                     "eval", "eval.*"]),
-    package_data={"sglang_ext.models": ["corpus.txt"], "eval.trace_sim": ["*.json"], "eval.longbench": ["*.json"]},
+    package_data={"eval.fixtures": ["corpus.txt"], "eval.trace_sim": ["*.json"], "eval.longbench": ["*.json"]},
     install_requires=[
         # SGLang and the stack it is tested with; the extension refuses other SGLang versions.
         "sglang==0.5.23",

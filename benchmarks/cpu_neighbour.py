@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_ext.env import CPU_THREADS_VAR, THREAD_VARS  # noqa: E402
 from sglang_ext.launcher import cpu_thread_env  # noqa: E402
-from sglang_ext.testing import ServerProcess, servers_running  # noqa: E402
+from eval.harness import ServerProcess, servers_running  # noqa: E402
 
 TOKEN_LO, TOKEN_HI = 10, 500           # random prompt ids (the tiny model's vocabulary is 512)
 #: this script's own thread settings, never passed to the servers
@@ -216,7 +216,7 @@ def markdown_table(rows: list[dict]) -> str:
 def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from sglang_ext.models.tiny import build_tiny_model
+    from eval.fixtures.tiny import build_tiny_model
 
     model = out / "model-qwen3-next"
     if not (model / "config.json").exists():

@@ -55,7 +55,7 @@ from benchmarks.flops import PrefillCost, cost_of_checkpoint  # noqa: E402
 from sglang_ext.env import THREAD_VARS  # noqa: E402
 from sglang_ext.tail_replay.config import parse_config, with_overrides  # noqa: E402
 from sglang_ext.tail_replay.planner import replay_window  # noqa: E402
-from sglang_ext.testing import ServerProcess, servers_running  # noqa: E402
+from eval.harness import ServerProcess, servers_running  # noqa: E402
 
 
 TOKEN_LO, TOKEN_HI = 10, 500          # random prompt ids (the tiny model's vocabulary is 512)
@@ -162,7 +162,7 @@ def server_args(max_len: int, n: int) -> list[str]:
 
 
 def build_model(out: Path, layout: str) -> Path:
-    from sglang_ext.models.tiny import build_tiny_model
+    from eval.fixtures.tiny import build_tiny_model
 
     model_dir = out / ("model-qwen3-next" if layout == "moe" else f"model-qwen3-next-{layout}")
     if not (model_dir / "config.json").exists():

@@ -25,9 +25,9 @@ OUT=runs/quality-$NAME
 RESULTS=docs/results/$NAME
 
 step() { [[ $STEPS == *$1* ]]; }
-step 1 && $PY -m sglang_ext.training.evaluate --model "$MODEL" --samples "$SAMPLES"
-step 2 && $PY -m sglang_ext.training.decay --model "$MODEL" --samples 8
-step 3 && $PY -m sglang_ext.training.card --model "$MODEL"
+step 1 && $PY -m eval.training.evaluate --model "$MODEL" --samples "$SAMPLES"
+step 2 && $PY -m eval.training.decay --model "$MODEL" --samples 8
+step 3 && $PY -m eval.training.card --model "$MODEL"
 step 4 || exit 0
 $PY -m eval.quality run --benchmark ruler --model "$MODEL" --tasks "$Q_TASKS" \
     --lengths "$Q_LENGTHS" --configs "$Q_CONFIGS" --samples "$Q_SAMPLES" --out "$OUT/ruler"

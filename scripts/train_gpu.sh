@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTORCH_CUDA_ALLOC_CONF=e
 stop_after=$(awk -v m="$minutes" 'BEGIN { print m + 1.5 }')
 
 train() {  # arch
-  "$python" -m sglang_ext.training.train --arch "$1" --device cuda --workers 4 --threads 2 \
+  "$python" -m eval.training.train --arch "$1" --device cuda --workers 4 --threads 2 \
     --run-dir "runs/gpu-$1" --export "runs/gpu-$1/export" --fit-minutes "$minutes" \
     --tokens-per-step 8192 --warmup-steps 200 --max-minutes "$stop_after" --save-every-min 2 \
     --export-unfinished >"$out/train-$1.log" 2>&1

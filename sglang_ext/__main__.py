@@ -1,4 +1,4 @@
-"""`python -m sglang_ext serve | tiny-model | demo` (also the `sglang-ext` console script)."""
+"""`python -m sglang_ext serve` (also the `sglang-ext` console script)."""
 
 from sglang_ext.cli import main
 

@@ -1,25 +1,15 @@
-"""Command line: `serve` (patched SGLang server), `tiny-model` (fixture checkpoint), `demo`."""
+"""Command line: `sglang-ext serve` (the patched SGLang server).
+
+Fixture checkpoints and the demo are evaluation tools, outside the product package:
+`python -m eval.fixtures` and `python -m eval.demo`.
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from patches.version import UnsupportedSGLangVersion
 from sglang_ext.launcher import LaunchError
-
-
-def _tiny_model(args: list[str]) -> None:
-    from sglang_ext.models.tiny import ARCH_LAYOUTS, _load_arch_modules, build_tiny_model
-
-    _load_arch_modules()
-    parser = argparse.ArgumentParser(prog="sglang-ext tiny-model")
-    parser.add_argument("--arch", required=True, choices=sorted(ARCH_LAYOUTS))
-    parser.add_argument("--layout", default=None, help="architecture layout (e.g. dense, moe)")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    ns = parser.parse_args(args)
-    print(build_tiny_model(ns.arch, ns.out, seed=ns.seed, layout=ns.layout))
 
 
 def _serve(args: list[str]) -> None:
@@ -28,13 +18,7 @@ def _serve(args: list[str]) -> None:
     serve(args)
 
 
-def _demo(args: list[str]) -> None:
-    from sglang_ext.demo import main as demo_main
-
-    demo_main(args)
-
-
-COMMANDS = {"serve": _serve, "tiny-model": _tiny_model, "demo": _demo}
+COMMANDS = {"serve": _serve}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_ext.models.tiny import build_tiny_model
+from eval.fixtures.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")

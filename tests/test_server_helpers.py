@@ -1,4 +1,4 @@
-"""sglang_ext.testing helpers that need no server."""
+"""eval.harness helpers that need no server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sglang_ext.testing import sigterm_deferred, sigterm_unwinds
+from eval.harness import sigterm_deferred, sigterm_unwinds
 
 
 def test_sigterm_unwinds_through_finally_and_restores_the_handler():

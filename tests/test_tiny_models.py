@@ -39,7 +39,7 @@ def test_proportioned_fixture_has_qwen3_next_proportions(tiny_model_factory):
 
 
 def test_proportioned_fixture_runs_in_transformers(tiny_model_factory):
-    from sglang_ext.reference import load_reference_model
+    from eval.reference import load_reference_model
 
     model = load_reference_model(tiny_model_factory("qwen3-next", "proportioned"))
     ids = torch.randint(10, 500, (1, 48), generator=torch.Generator().manual_seed(0))

@@ -21,7 +21,7 @@ def _patch_sentence_splitter() -> None:
     try:
         nltk.data.find("tokenizers/punkt_tab")
     except LookupError:
-        from sglang_ext.training.corpus import split_sentences
+        from eval.corpus import split_sentences
 
         nltk.tokenize.sent_tokenize = lambda text, language="english": split_sentences(text)
 

@@ -76,7 +76,7 @@ def _row(dataset: str, qa_item, docs: list[str], sample_id: str) -> dict:
 def build_local_set(out_dir: Path, words: int, n: int, seed: int = 0) -> list[Path]:
     """Write `<dataset>.jsonl` for LOCAL_SOURCES: held-out questions, their gold paragraphs and
     distractors up to about `words` words (LongBench's `length` is a word count for English)."""
-    from sglang_ext.training import corpus
+    from eval import corpus
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []

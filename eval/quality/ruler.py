@@ -91,6 +91,15 @@ def score(task: str, prediction: str, answers: tuple[str, ...]) -> float:
     """RULER's per-sample score in [0, 100] after its postprocessing."""
     from long_context_eval.eval.synthetic.constants import TASKS
 
-    from sglang_ext.training.tasks import ruler_score
-
     return ruler_score(TASKS[task_table()[task]["task"]]["metric_fn"].__name__, prediction, answers)
+
+
+def ruler_score(metric: str, prediction: str, answers) -> float:
+    """RULER's per-sample score in [0, 100] for `metric` ("string_match_all" / "string_match_part"),
+    after RULER's postprocessing (strip; control characters -> newline)."""
+    import re
+
+    from long_context_eval.eval.synthetic import constants
+
+    pred = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
+    return getattr(constants, f"{metric}_per_sample")([pred], [list(answers)])[0]

@@ -80,7 +80,7 @@ def server_args(kind: str, launch_args: str) -> list[str]:
 def launched(model: str, kinds: list[str], launch_args: str, log_dir: Path):
     """Start one patched server per kind (STOCK / TAIL_REPLAY) on `model`; yield kind -> Client.
     The servers are stopped on exit, also when the run is ended by SIGTERM."""
-    from sglang_ext.testing import ServerProcess, servers_running
+    from eval.harness import ServerProcess, servers_running
 
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = {k: ServerProcess(model, server_args(k, launch_args), log_path=log_dir / f"server-{k}.log") for k in kinds}

@@ -138,7 +138,7 @@ def _resolve_trace(name: str, root: Path) -> tuple[str, Path]:
 
 def resolve_model(args) -> Path:
     if args.model is None:
-        from sglang_ext.models.tiny import build_tiny_model
+        from eval.fixtures.tiny import build_tiny_model
 
         model = args.out / "model-qwen3-next"
         if not (model / "config.json").exists():
@@ -242,7 +242,7 @@ def _common_args(args) -> list[str]:
 
 def run(args) -> dict:
     """The whole replay; writes report.json, report.md, replay.png and per-request JSONL."""
-    from sglang_ext.testing import ServerProcess, servers_running
+    from eval.harness import ServerProcess, servers_running
 
     for flag in ("requests", "concurrency", "new_tokens", "max_total_tokens", "max_mamba_cache_size", "sessions"):
         if getattr(args, flag) < 1:

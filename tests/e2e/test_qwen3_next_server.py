@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sglang_ext.reference import greedy_reference, load_reference_model
-from sglang_ext.testing import ServerProcess
+from eval.reference import greedy_reference, load_reference_model
+from eval.harness import ServerProcess
 from tests.e2e.serving import NEW_TOKENS, assert_matches_reference, continue_conversation, greedy, metric_total, random_prompt
 
 @pytest.fixture(scope="module")

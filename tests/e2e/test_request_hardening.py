@@ -27,7 +27,7 @@ import requests
 
 from sglang_ext.env import PATCH_MODE_VAR, TAIL_REPLAY_CONFIG_VAR
 from sglang_ext.launcher import CPU_DEFAULTS
-from sglang_ext.testing import ServerProcess, start_servers, stop_servers
+from eval.harness import ServerProcess, start_servers, stop_servers
 from tests.e2e.serving import random_prompt
 
 CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16}

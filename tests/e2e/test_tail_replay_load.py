@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sglang_ext.testing import ServerProcess, start_servers, stop_servers
+from eval.harness import ServerProcess, start_servers, stop_servers
 from tests.e2e.serving import metric_total, random_prompt
 
 CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16}   # keep_checkpoints: default

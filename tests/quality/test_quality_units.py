@@ -166,7 +166,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_unreachable_server_is_a_clear_error(tmp_path, capsys):
-    from sglang_ext.testing import free_port
+    from eval.harness import free_port
 
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "hotpotqa.jsonl").write_text(json.dumps(

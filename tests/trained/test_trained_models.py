@@ -11,10 +11,11 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from sglang_ext.reference import greedy_reference, load_reference_model
-from sglang_ext.testing import start_servers, stop_servers, ServerProcess
-from sglang_ext.training import tasks
-from sglang_ext.training.evaluate import SERVER_ARGS
+from eval.reference import greedy_reference, load_reference_model
+from eval.harness import start_servers, stop_servers, ServerProcess
+from eval.quality.ruler import ruler_score
+from eval.training import tasks
+from eval.training.evaluate import SERVER_ARGS
 
 MODELS = Path(__file__).resolve().parents[2] / "trained_models"
 NAMES = ("gdn-ruler", "mamba2-ruler")
@@ -68,4 +69,4 @@ def test_answers_a_held_out_needle_question(servers, name):
     sample = _sample(name)
     out = servers[name].generate(text=sample.prompt,
                                  sampling_params={"max_new_tokens": sample.tokens_to_generate, "temperature": 0})
-    assert tasks.ruler_score(tasks.METRIC[sample.task], out["text"], sample.answers) == 100.0, (out["text"], sample.answers)
+    assert ruler_score(tasks.METRIC[sample.task], out["text"], sample.answers) == 100.0, (out["text"], sample.answers)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from sglang_ext.training.decay import collect_log_decay, head_stats
+from eval.training.decay import collect_log_decay, head_stats
 
 
 def test_half_life_of_a_constant_decay():

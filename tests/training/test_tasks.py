@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from sglang_ext.training import corpus, tasks
-from sglang_ext.training.vocab import train_vocab
+from eval import corpus
+from eval.training import tasks
+from eval.training.vocab import train_vocab
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_unknown_task_is_named(tokenizer):
 
 
 def test_held_out_variants_are_not_trained_on():
-    from sglang_ext.training.train import TASK_WEIGHTS
+    from eval.training.train import TASK_WEIGHTS
 
     assert set(TASK_WEIGHTS) == set(tasks.TRAIN_TASKS)
     assert not set(TASK_WEIGHTS) & set(tasks.HELD_OUT_TASKS)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from sglang_ext.training import tasks
-from sglang_ext.training.train import Run, TrainConfig, batch_at, batches_from, export, lengths_at, stage_at
+from eval.training import tasks
+from eval.training.train import Run, TrainConfig, batch_at, batches_from, export, lengths_at, stage_at
 
 CFG = TrainConfig(arch="mamba2", tokens=1200, tokens_per_step=512, warmup_steps=2)
 
@@ -69,7 +69,7 @@ def test_export_is_a_bf16_hf_folder_transformers_loads(tmp_path):
 
 
 def test_fit_tokens_sizes_the_budget_from_timed_passes():
-    from sglang_ext.training.train import fit_tokens
+    from eval.training.train import fit_tokens
 
     curriculum = ((0.25, (32, 64), 1.0), (1.0, (128,), 1.0))
     cfg = TrainConfig(arch="mamba2", tokens_per_step=256)
@@ -88,7 +88,7 @@ def test_progress_is_counted_in_steps():
 
 @pytest.mark.parametrize("flags", [["--tokens-per-step", "0"], ["--fit-minutes", "-1"], ["--workers", "-2"]])
 def test_bad_numeric_flags_are_refused_by_name(flags, tmp_path, capsys):
-    from sglang_ext.training.train import main
+    from eval.training.train import main
 
     with pytest.raises(SystemExit):
         main(["--arch", "mamba2", "--run-dir", str(tmp_path / "r"), *flags])

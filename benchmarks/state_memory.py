@@ -12,7 +12,7 @@ saving per cached prefix is that whole number; the state pool then needs only th
 requests' own slots (one each, plus the ping-pong track slots of SGLang's `extra_buffer` strategy,
 see patches/tail_replay_sizing.py).
 
-    python -m sglang_ext.tail_replay.memory [--tp 1] [--json]
+    python -m benchmarks.state_memory [--tp 1] [--json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train a small hybrid on RULER-style tasks (CPU or one GPU): seeded, resumable, logged.
 
-    python -m sglang_ext.training.train --arch gdn --run-dir runs/train-gdn \
+    python -m eval.training.train --arch gdn --run-dir runs/train-gdn \
         --export trained_models/gdn-ruler-7m --tokens 3000000 --max-minutes 55
 
 On a GPU (`--device cuda`) the model runs under bf16 autocast with fp32 weights, batches are
@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sglang_ext.env import export_tokenizers_single_threaded
-from sglang_ext.training import tasks
-from sglang_ext.training.arch import ARCHS, MAX_POSITIONS, SpecialIds, build_model
-from sglang_ext.training.vocab import VOCAB_SIZE, train_vocab, write_vocab
-from sglang_ext.models.tokenizer import EOS_TOKEN
+from eval.training import tasks
+from eval.training.arch import ARCHS, MAX_POSITIONS, SpecialIds, build_model
+from eval.training.vocab import VOCAB_SIZE, train_vocab, write_vocab
+from eval.fixtures.tokenizer import EOS_TOKEN
 
 #: (fraction of the steps where the stage ends, sequence lengths drawn in it, weight of
 #: the dense-recall task in it): short dense recall first, so copying is learned early

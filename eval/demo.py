@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_ext.models.tiny import build_tiny_model
-from sglang_ext.testing import ServerProcess, servers_running
+from eval.fixtures.tiny import build_tiny_model
+from eval.harness import ServerProcess, servers_running
 
 DOCUMENT_TOKENS = 2000
 BACKENDS = {
@@ -63,7 +63,7 @@ def format_turns(turns: list[Turn]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="sglang-ext demo")
+    parser = argparse.ArgumentParser(prog="python -m eval.demo")
     parser.add_argument("--arch", default="qwen3-next")
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--server-args", default="", help="extra arguments for the server, one string")
@@ -78,3 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     with servers_running(list(servers.values())):
         for name, server in servers.items():
             print(f"\n### {name}\n\n{format_turns(run_conversation(server))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,7 +9,7 @@ decay_t (percentiles) and the "half-life" ln 2 / mean(-log decay): after that ma
 write has half its weight left; `tokens_to_1pct` = ln 100 / mean(-log decay) bounds the replay
 tail a head needs to forget everything older (a decay-aware replay budget can use it).
 
-    python -m sglang_ext.training.decay --model trained_models/gdn-ruler --samples 8
+    python -m eval.training.decay --model trained_models/gdn-ruler --samples 8
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def decay_report(model_dir: Path, samples: int, length: int) -> dict:
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from sglang_ext.training import tasks
+    from eval.training import tasks
 
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
