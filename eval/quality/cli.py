@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from eval.quality import configs as cfgs
-from eval.quality import report
+from eval.quality import perplexity, report
 from eval.quality.runner import ReuseCheckFailed, read_rows, run
 from eval.quality.servers import DEFAULT_LAUNCH_ARGS, Client, ServerUnreachable, launched
 
@@ -17,13 +17,14 @@ SAMPLES_FILE = "samples.jsonl"
 
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="run samples under configurations (resumes)")
-    p.add_argument("--benchmark", required=True, choices=["ruler", "longbench"])
+    p.add_argument("--benchmark", required=True, choices=["ruler", "longbench", "perplexity"])
     p.add_argument("--out", type=Path, required=True, help="output folder (samples.jsonl, summary, plot)")
     p.add_argument("--model", help="model folder/name: launch patched stock + Tail-Replay servers on it")
     p.add_argument("--launch-args", default=DEFAULT_LAUNCH_ARGS, help="extra `sglang-ext serve` args when launching")
     p.add_argument("--stock-url", help="a running server with SGLang's own radix cache")
     p.add_argument("--tail-replay-url", help="a running server with --radix-cache-backend tail_replay")
-    p.add_argument("--configs", default=",".join(cfgs.DEFAULT_CONFIGS), help=f"comma-separated: {cfgs.NAME_HELP}")
+    p.add_argument("--configs", help=f"comma-separated: {cfgs.NAME_HELP} (default: all named configurations; "
+                   f"perplexity: {perplexity.DEFAULT_CONFIGS})")
     p.add_argument("--samples", type=int, default=10, help="samples per task/dataset (and length)")
     p.add_argument("--tasks", default="niah_single_2,niah_multikey_1,vt", help="RULER tasks")
     p.add_argument("--lengths", default="4096,8192", help="RULER lengths (tokens)")
@@ -34,6 +35,9 @@ def _add_run(sub) -> None:
     p.add_argument("--longbench-e", action="store_true", help="LongBench-E files / configs")
     p.add_argument("--max-prompt-tokens", type=int,
                    help="LongBench: truncate longer prompts in the middle (pred.py's rule; needs --tokenizer or --model)")
+    p.add_argument("--doc-tokens", default="1024,4096", help="perplexity: cached document lengths (tokens)")
+    p.add_argument("--continuation-tokens", type=int, default=128, help="perplexity: scored continuation length")
+    p.add_argument("--sources", default=",".join(perplexity.SOURCES), help="perplexity: held-out text sources")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,9 +95,32 @@ def _clients(args, kinds: set[str]):
     yield clients
 
 
+def _perplexity_samples(args) -> list[perplexity.TextSample]:
+    if not (args.tokenizer or args.model):
+        raise ValueError("perplexity needs --tokenizer (or --model) to cut documents to token lengths")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    sources = [s.strip() for s in args.sources.split(",") if s.strip()]
+    return perplexity.make_samples(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                   [int(n) for n in args.doc_tokens.split(",")], args.continuation_tokens,
+                                   args.samples, sources)
+
+
+def _run_perplexity(args, configs) -> int:
+    samples = _perplexity_samples(args)
+    with _clients(args, {c.server for c in configs}) as clients:
+        rows = perplexity.run(clients, configs, samples, args.out / SAMPLES_FILE)
+    print(perplexity.write(rows, args.out))
+    return 0
+
+
 def _run(args) -> int:
-    configs = cfgs.parse_configs(args.configs)
+    default = perplexity.DEFAULT_CONFIGS if args.benchmark == "perplexity" else ",".join(cfgs.DEFAULT_CONFIGS)
+    configs = cfgs.parse_configs(args.configs or default)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.benchmark == "perplexity":
+        return _run_perplexity(args, configs)
     samples, scorer = _samples_and_scorer(args)
     with _clients(args, {c.server for c in configs}) as clients:
         rows = run(clients, configs, samples, scorer, args.out / SAMPLES_FILE)
@@ -107,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             return _run(args)
         if args.command == "report":
-            print(report.write(read_rows(args.out / SAMPLES_FILE), args.out))
+            rows = read_rows(args.out / SAMPLES_FILE)
+            writer = perplexity.write if rows and rows[0].get("benchmark") == "perplexity" else report.write
+            print(writer(rows, args.out))
             return 0
         from eval.quality.longbench import build_local_set
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +39,15 @@ class Client:
         except requests.RequestException as err:
             raise ServerUnreachable(f"cannot reach the server at {self.url}: {type(err).__name__}") from None
 
-    def flush(self) -> None:
-        resp = self._post("/flush_cache")
-        if resp.status_code != 200:
-            raise RuntimeError(f"{self.url}/flush_cache refused ({resp.status_code}): {resp.text[:200]}")
+    def flush(self, attempts: int = 50, wait_s: float = 0.1) -> None:
+        """Empty the server's cache. SGLang refuses while a request is still leaving its running
+        batch (a response can arrive before the scheduler is idle), so a refusal is retried."""
+        for _ in range(attempts):
+            resp = self._post("/flush_cache")
+            if resp.status_code == 200:
+                return
+            time.sleep(wait_s)
+        raise RuntimeError(f"{self.url}/flush_cache refused {attempts} times ({resp.status_code}): {resp.text[:200]}")
 
     def tokenize(self, text: str) -> list[int]:
         """The token ids the server makes of `text` (SGLang's `/tokenize`, as `/generate` tokenizes)."""
@@ -64,6 +70,21 @@ class Client:
         if overrides:
             params["custom_params"] = {"tail_replay": overrides}
         resp = self._post("/generate", {"text": prompt, "sampling_params": params, "return_logprob": True})
+        if resp.status_code != 200:
+            raise RuntimeError(f"{self.url}/generate failed ({resp.status_code}): {resp.text[:300]}")
+        return resp.json()
+
+    def generate_ids(self, input_ids: list[int], max_new_tokens: int, overrides: dict | None = None,
+                     logprob_start_len: int | None = None) -> dict:
+        """`/generate` on token ids; with `logprob_start_len`, the input tokens' log-probabilities
+        from that position on come back in `meta_info.input_token_logprobs`."""
+        params: dict = {"max_new_tokens": max_new_tokens, "temperature": 0}
+        if overrides:
+            params["custom_params"] = {"tail_replay": overrides}
+        body: dict = {"input_ids": input_ids, "sampling_params": params}
+        if logprob_start_len is not None:
+            body.update(return_logprob=True, logprob_start_len=logprob_start_len)
+        resp = self._post("/generate", body)
         if resp.status_code != 200:
             raise RuntimeError(f"{self.url}/generate failed ({resp.status_code}): {resp.text[:300]}")
         return resp.json()

@@ -106,3 +106,39 @@ def test_no_tail_replay_reuse_fails_loudly(served, ruler_data, tmp_path, capsys)
     assert code == 3
     assert "reused no cached tokens" in capsys.readouterr().err
     assert not (tmp_path / "x" / "summary.md").exists()
+
+
+def test_continuation_perplexity_matches_transformers_and_sees_the_state(served, tmp_path):
+    """Full prefill's continuation log-likelihoods equal transformers' (hand-computed); a 100 %
+    budget replays everything (equal to full); a zero budget reuses every token's KV and loses
+    the linear state, which the continuation shows."""
+    import torch
+
+    from eval.quality import perplexity
+    from eval.reference import load_reference_model
+
+    model, urls = served
+    out = tmp_path / "ppl"
+    assert cli.main(["run", "--benchmark", "perplexity", "--doc-tokens", "200", "--continuation-tokens", "24",
+                     "--samples", "1", "--sources", "essays", "--configs", "full,tr-0,tr-100",
+                     "--tokenizer", str(model), "--out", str(out), *urls]) == 0
+    rows = {r["config"]: r for r in _rows(out)}
+    assert set(rows) == {"full", "tr-0", "tr-100"}
+    assert rows["full"]["cached_tokens"] == 0 and rows["tr-0"]["replayed_tokens"] == 0
+    assert rows["tr-0"]["cached_tokens"] == rows["tr-0"]["matched_tokens"] == 199
+    assert rows["tr-100"]["hit_kind"] == "exact_replay"
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    (sample,) = perplexity.make_samples(lambda t: tok.encode(t, add_special_tokens=False), [200], 24, 1, ["essays"])
+    ids = list(sample.doc_ids + sample.cont_ids)
+    with torch.no_grad():
+        logp = torch.log_softmax(load_reference_model(model)(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [logp[199 + i, t].item() for i, t in enumerate(sample.cont_ids)]
+    assert rows["full"]["logprobs"] == pytest.approx(expected, abs=2e-3)
+    assert rows["tr-100"]["logprobs"] == pytest.approx(rows["full"]["logprobs"], abs=2e-3)
+    assert max(abs(a - b) for a, b in zip(rows["tr-0"]["logprobs"], rows["full"]["logprobs"])) > 1e-2
+    table = json.loads((out / perplexity.SUMMARY_JSON).read_text())["0.2K"]
+    assert abs(table["tr-100"]["delta_nats"]) < 1e-3 and (out / perplexity.PLOT).stat().st_size > 0
+
