@@ -35,7 +35,7 @@ setup(
         "datasets==5.2.0",
     ],
     extras_require={
-        "test": ["pytest==9.0.3", "hypothesis==6.155.2", "pytest-timeout==2.4.0"],
+        "test": ["pytest==9.0.3", "hypothesis==6.155.2", "pytest-timeout==2.4.0", "ruff==0.17.6", "mypy==2.4.1"],
     },
     entry_points={
         "console_scripts": ["sglang-ext = sglang_ext.cli:main"],

@@ -46,9 +46,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from eval.harness import ServerProcess, servers_running  # noqa: E402
 from sglang_ext.env import CPU_THREADS_VAR, THREAD_VARS  # noqa: E402
 from sglang_ext.launcher import cpu_thread_env  # noqa: E402
-from eval.harness import ServerProcess, servers_running  # noqa: E402
 
 TOKEN_LO, TOKEN_HI = 10, 500           # random prompt ids (the tiny model's vocabulary is 512)
 #: this script's own thread settings, never passed to the servers
@@ -69,7 +69,7 @@ class EnvServer(ServerProcess):
         super().__init__(*args, **kwargs)
         self.env = env
 
-    def launch(self) -> "EnvServer":
+    def launch(self) -> EnvServer:
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=self.env)
@@ -151,7 +151,7 @@ class Neighbours:
         self.count = count
         self.procs: list[subprocess.Popen] = []
 
-    def __enter__(self) -> "Neighbours":
+    def __enter__(self) -> Neighbours:
         env = {k: v for k, v in os.environ.items() if k not in THREAD_VARS}
         for _ in range(self.count):
             self.procs.append(subprocess.Popen(self.argv, start_new_session=True, env=env,

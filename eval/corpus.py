@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 HELD_OUT_EVERY = 7
@@ -47,7 +47,7 @@ class QASet:
     paragraphs: tuple[str, ...]  # distractor pool (same split)
 
 
-@lru_cache(maxsize=None)
+@cache
 def essay_sentences(split: str) -> tuple[str, ...]:
     text = json.loads((data_dir() / "PaulGrahamEssays.json").read_text())["text"]
     cut = int(len(text) * ESSAY_TRAIN_FRACTION)
@@ -58,7 +58,7 @@ def _in_split(index: int, split: str) -> bool:
     return (index % HELD_OUT_EVERY == HELD_OUT_EVERY - 1) == (split == "eval")
 
 
-@lru_cache(maxsize=None)
+@cache
 def squad(split: str) -> QASet:
     data = json.loads((data_dir() / "squad.json").read_text())["data"]
     items, paragraphs = [], []
@@ -74,7 +74,7 @@ def squad(split: str) -> QASet:
     return QASet(tuple(items), tuple(paragraphs))
 
 
-@lru_cache(maxsize=None)
+@cache
 def hotpotqa(split: str) -> QASet:
     data = json.loads((data_dir() / "hotpotqa.json").read_text())
     items, paragraphs = [], []

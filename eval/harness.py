@@ -44,17 +44,17 @@ class ServerProcess:
         return [sys.executable, "-m", "sglang_ext", "serve", "--model-path", self.model_path,
                 "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
 
-    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "ServerProcess":
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
         return self.launch().wait_ready(timeout_s)
 
-    def launch(self) -> "ServerProcess":
+    def launch(self) -> ServerProcess:
         """Start the process without waiting (several servers can then boot side by side)."""
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         return self
 
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "ServerProcess":
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
         try:
             self._wait_healthy(timeout_s)
         except BaseException:
@@ -94,7 +94,7 @@ class ServerProcess:
         self.proc.wait()
         self.proc = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:

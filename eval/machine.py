@@ -17,8 +17,8 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 import psutil
 
@@ -89,7 +89,7 @@ class CpuWindow:
         self._ours: dict[int, float] = {}
         self._busy = self._t0 = 0.0
 
-    def start(self) -> "CpuWindow":
+    def start(self) -> CpuWindow:
         self._ours = {}
         _tree_cpu_seconds(self.excluded, self._ours)
         self._busy, self._t0 = _busy_seconds(), time.monotonic()

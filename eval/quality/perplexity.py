@@ -24,10 +24,10 @@ import json
 import math
 import random
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
-from typing import Iterable
 
 from tqdm import tqdm
 

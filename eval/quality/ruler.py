@@ -36,7 +36,6 @@ def _package_dir() -> Path:
 def task_table() -> dict[str, dict]:
     """RULER task name -> {task (base), args, template, answer_prefix, tokens_to_generate}."""
     import yaml
-
     from long_context_eval.data.synthetic.constants import TASKS
 
     custom = yaml.safe_load((_package_dir() / "synthetic.yaml").read_text())

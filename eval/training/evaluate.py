@@ -61,9 +61,9 @@ def evaluate(url: str, tokenizer, task_names, lengths, n: int, concurrency: int 
 
 
 def markdown_table(summary: dict, lengths) -> str:
-    head = "| task | " + " | ".join(f"{l // 1024}K" for l in lengths) + " |\n|---|" + "---:|" * len(lengths)
+    head = "| task | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |\n|---|" + "---:|" * len(lengths)
     rows = [f"| {t}{' (held out)' if t in tasks.HELD_OUT_TASKS else ''} | "
-            + " | ".join(f"{summary[t].get(str(l), float('nan')):.1f}" for l in lengths) + " |" for t in summary]
+            + " | ".join(f"{summary[t].get(str(n), float('nan')):.1f}" for n in lengths) + " |" for t in summary]
     return "\n".join([head, *rows])
 
 

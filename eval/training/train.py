@@ -34,11 +34,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from sglang_ext.env import export_tokenizers_single_threaded
+from eval.fixtures.tokenizer import EOS_TOKEN
 from eval.training import tasks
 from eval.training.arch import ARCHS, MAX_POSITIONS, SpecialIds, build_model
 from eval.training.vocab import VOCAB_SIZE, train_vocab, write_vocab
-from eval.fixtures.tokenizer import EOS_TOKEN
+from sglang_ext.env import export_tokenizers_single_threaded
 
 #: (fraction of the steps where the stage ends, sequence lengths drawn in it, weight of
 #: the dense-recall task in it): short dense recall first, so copying is learned early

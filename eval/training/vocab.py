@@ -11,8 +11,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from eval.fixtures.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, save_tokenizer
 from eval.corpus import tokenizer_corpus
+from eval.fixtures.tokenizer import EOS_TOKEN, SPECIAL_TOKENS, save_tokenizer
 
 VOCAB_SIZE = 2048
 

@@ -7,7 +7,6 @@ import sys
 import time
 
 import psutil
-
 import pytest
 
 from eval.machine import BusyMachineError, CpuWindow, MachineLoad, other_cpu_percent, require_quiet, sample_load

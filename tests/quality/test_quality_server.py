@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from eval.harness import ServerProcess, start_servers, stop_servers
 from eval.quality import cli, configs
 from eval.quality.servers import DEFAULT_LAUNCH_ARGS, server_args
-from eval.harness import ServerProcess, start_servers, stop_servers
 
 ROW_FIELDS = {"key", "benchmark", "dataset", "sample_id", "length", "group", "config", "budget", "kv_mode",
               "prompt_tokens", "shared_tokens", "cached_tokens", "hit_kind", "matched_tokens", "replayed_tokens", "answers",

@@ -11,9 +11,9 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from eval.reference import greedy_reference, load_reference_model
-from eval.harness import start_servers, stop_servers, ServerProcess
+from eval.harness import ServerProcess, start_servers, stop_servers
 from eval.quality.ruler import ruler_score
+from eval.reference import greedy_reference, load_reference_model
 from eval.training import tasks
 from eval.training.evaluate import SERVER_ARGS
 
