@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# lint + import order (pyproject.toml [tool.ruff]) and types of the pure cores ([tool.mypy])
+.venv/bin/ruff check .
+.venv/bin/mypy
 exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
