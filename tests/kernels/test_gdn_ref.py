@@ -116,7 +116,8 @@ def test_a_chunk_is_affine_in_its_start_state():
 def _chunk_pieces(q, k, v, g, beta, bounds):
     states, transitions = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        _, s, _ = gdn_chunk_ref(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], torch.zeros(q.shape[1], q.shape[2], v.shape[2]))
+        zero = torch.zeros(q.shape[1], q.shape[2], v.shape[2])
+        _, s, _ = gdn_chunk_ref(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], zero)
         states.append(s)
         transitions.append(gdn_chunk_transition_ref(k[a:b], g[a:b], beta[a:b]))
     return torch.stack(states), torch.stack(transitions)
@@ -142,7 +143,8 @@ def test_composing_one_chunk_is_the_identity_on_its_state():
 def test_composition_in_sglang_pool_layout():
     """SGLang keeps [H, dv, dk]: transposing in and out gives S'_end = S'_start M^T + s'."""
     gen = torch.Generator().manual_seed(2)
-    states, M, init = torch.randn(3, 2, 6, 5, generator=gen), torch.randn(3, 2, 6, 6, generator=gen), torch.randn(2, 6, 5, generator=gen)
+    states, M = torch.randn(3, 2, 6, 5, generator=gen), torch.randn(3, 2, 6, 6, generator=gen)
+    init = torch.randn(2, 6, 5, generator=gen)
     pool_states, pool_init = state_to_sglang(states), state_to_sglang(init)
     got = state_to_sglang(gdn_compose_ref(state_from_sglang(pool_states), M, state_from_sglang(pool_init)))
     expected = pool_init

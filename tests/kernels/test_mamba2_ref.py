@@ -24,7 +24,8 @@ def _inputs(T: int, seed: int = 0) -> ScanInputs:
     dt = discretize_dt(torch.randn(T, H, generator=gen) - 1.0, torch.randn(H, generator=gen) * 0.5, softplus=True)
     return ScanInputs(
         x=torch.randn(T, H, P, generator=gen), dt=dt, A=-torch.rand(H, generator=gen) * 2 - 0.1,
-        B=expand_groups(torch.randn(T, G, N, generator=gen), H), C=expand_groups(torch.randn(T, G, N, generator=gen), H),
+        B=expand_groups(torch.randn(T, G, N, generator=gen), H),
+        C=expand_groups(torch.randn(T, G, N, generator=gen), H),
         D=torch.randn(H, P, generator=gen), z=None,
     )
 
@@ -33,7 +34,8 @@ def _recurrence(seq: ScanInputs, h0: torch.Tensor):
     """Token by token, written out here: (y [T, H, P], final h)."""
     h, ys = h0.clone(), []
     for t in range(seq.x.shape[0]):
-        h = h * torch.exp(seq.dt[t] * seq.A)[:, None, None] + (seq.dt[t][:, None] * seq.x[t])[..., None] * seq.B[t][:, None, :]
+        decay = torch.exp(seq.dt[t] * seq.A)[:, None, None]
+        h = h * decay + (seq.dt[t][:, None] * seq.x[t])[..., None] * seq.B[t][:, None, :]
         ys.append(torch.einsum("hpn,hn->hp", h, seq.C[t]) + seq.D * seq.x[t])
     return torch.stack(ys), h
 
@@ -48,7 +50,8 @@ def test_scan_and_step_match_the_recurrence(T):
     torch.testing.assert_close(states[T], ref_h, atol=ATOL, rtol=ATOL)
     h = h0
     for t in range(T):
-        y_t, h = ssd_step_ref(h, seq.x[t], seq.dt[t][:, None].expand(H, P), seq.A[:, None, None], seq.B[t], seq.C[t], seq.D)
+        dt = seq.dt[t][:, None].expand(H, P)
+        y_t, h = ssd_step_ref(h, seq.x[t], dt, seq.A[:, None, None], seq.B[t], seq.C[t], seq.D)
         torch.testing.assert_close(y_t, ref_y[t], atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(h, ref_h, atol=ATOL, rtol=ATOL)
 

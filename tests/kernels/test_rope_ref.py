@@ -68,7 +68,8 @@ def test_inv_freq_matches_transformers_and_gptj_pairs_rotate_by_the_same_angles(
 
 def test_round_trip_and_bad_arguments():
     k = torch.randn(5, 2, 16)
-    torch.testing.assert_close(rerotate_keys_ref(rerotate_keys_ref(k, 21, 16, THETA), -21, 16, THETA), k, atol=1e-5, rtol=1e-5)
+    back = rerotate_keys_ref(rerotate_keys_ref(k, 21, 16, THETA), -21, 16, THETA)
+    torch.testing.assert_close(back, k, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="delta must be"):
         rerotate_keys_ref(k, torch.tensor([1, 2]), 16, THETA)
     with pytest.raises(ValueError, match="rotary_dim 32 exceeds head dim 16"):

@@ -10,12 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_kernels.gdn import triton_ops as gdn_tk
-from hybrid_kernels.mamba2 import triton_ops as mamba2_tk
-from hybrid_kernels.rope import triton_ops as rope_tk
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
 from hybrid_kernels._triton_utils import check_device
 from hybrid_kernels.gdn import (
     gdn_chunk_ref,
@@ -25,14 +19,18 @@ from hybrid_kernels.gdn import (
     gdn_recurrent_ref,
     l2norm,
 )
+from hybrid_kernels.gdn import triton_ops as gdn_tk
 from hybrid_kernels.mamba2 import (
     ScanInputs,
     mamba2_chunk_decay_ref,
     mamba2_compose_ref,
     scan_sequence,
 )
+from hybrid_kernels.mamba2 import triton_ops as mamba2_tk
 from hybrid_kernels.rope import rerotate_keys_ref
+from hybrid_kernels.rope import triton_ops as rope_tk
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ATOL, RTOL = 1e-5, 1e-4
 
 
@@ -56,7 +54,8 @@ def test_kernel_modules_were_built_for_this_device():
         assert module._INTERPRETED == (DEVICE == "cpu")
 
 
-@pytest.mark.parametrize("T,H,dk", [(0, 2, 16), (1, 1, 16), (1, 4, 7), (37, 3, 20), (65, 2, 64), (20, 9, 8), (5, 2, 128)])
+@pytest.mark.parametrize("T,H,dk", [(0, 2, 16), (1, 1, 16), (1, 4, 7), (37, 3, 20), (65, 2, 64), (20, 9, 8),
+                                    (5, 2, 128)])
 def test_gdn_chunk_transition_matches_twin(T, H, dk):
     _, k, _, g, beta = _gdn_tokens(T, H, dk, seed=T + H + dk)
     got = gdn_tk.gdn_chunk_transition(k, g, beta)
@@ -94,11 +93,14 @@ def test_gdn_exact_composition_through_kernels_equals_sequential_state(bounds):
     for a, b in zip(bounds[:-1], bounds[1:]):
         _, s, _ = gdn_chunk_ref(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], torch.zeros(H, dk, dv))
         states.append(s)
-        transitions.append(gdn_tk.gdn_chunk_transition(k[a:b].to(DEVICE), g[a:b].to(DEVICE), beta[a:b].to(DEVICE)).cpu())
-    composed = gdn_tk.gdn_compose(torch.stack(states).to(DEVICE), torch.stack(transitions).to(DEVICE), initial.to(DEVICE))
+        M = gdn_tk.gdn_chunk_transition(k[a:b].to(DEVICE), g[a:b].to(DEVICE), beta[a:b].to(DEVICE))
+        transitions.append(M.cpu())
+    composed = gdn_tk.gdn_compose(torch.stack(states).to(DEVICE), torch.stack(transitions).to(DEVICE),
+                                  initial.to(DEVICE))
     _, sequential = gdn_recurrent_ref(q, k, v, g, beta, initial)
     torch.testing.assert_close(composed.cpu(), sequential, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(transitions[-1], gdn_chunk_transition_via_chunked(k[a:b], g[a:b], beta[a:b]), atol=ATOL, rtol=RTOL)
+    by_trick = gdn_chunk_transition_via_chunked(k[a:b], g[a:b], beta[a:b])
+    torch.testing.assert_close(transitions[-1], by_trick, atol=ATOL, rtol=RTOL)
     one = gdn_tk.gdn_compose(torch.stack(states[:1]).to(DEVICE), torch.stack(transitions[:1]).to(DEVICE))
     torch.testing.assert_close(one.cpu(), states[0], atol=0, rtol=0)
 
@@ -118,7 +120,8 @@ def test_mamba2_compose_matches_twin(K, H, P, N, with_initial):
     gen = _gen(K + H + P + N)
     states, decays = torch.randn(K, H, P, N, generator=gen), torch.rand(K, H, generator=gen)
     initial = torch.randn(H, P, N, generator=gen) if with_initial else None
-    got = mamba2_tk.mamba2_compose(states.to(DEVICE), decays.to(DEVICE), None if initial is None else initial.to(DEVICE))
+    dev_initial = None if initial is None else initial.to(DEVICE)
+    got = mamba2_tk.mamba2_compose(states.to(DEVICE), decays.to(DEVICE), dev_initial)
     assert got.shape == (H, P, N) and got.dtype == torch.float32
     torch.testing.assert_close(got.cpu(), mamba2_compose_ref(states, decays, initial), atol=ATOL, rtol=RTOL)
 
@@ -137,7 +140,8 @@ def test_mamba2_exact_composition_through_kernels_equals_sequential_state(bounds
         _, st = scan_sequence(seq.slice(a, b), torch.zeros(H, P, N), [b - a])
         states.append(st[b - a])
         decays.append(mamba2_tk.mamba2_chunk_decay(seq.dt[a:b].to(DEVICE), seq.A.to(DEVICE)).cpu())
-    composed = mamba2_tk.mamba2_compose(torch.stack(states).to(DEVICE), torch.stack(decays).to(DEVICE), initial.to(DEVICE))
+    composed = mamba2_tk.mamba2_compose(torch.stack(states).to(DEVICE), torch.stack(decays).to(DEVICE),
+                                        initial.to(DEVICE))
     _, whole = scan_sequence(seq, initial, [T])
     torch.testing.assert_close(composed.cpu(), whole[T], atol=1e-4, rtol=1e-4)
 

@@ -47,7 +47,8 @@ def gdn_chunk_transition(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -
     = prod_t exp(g_t)(I - beta_t k_t k_t^T), latest token on the left (`gdn_chunk_transition_ref`)."""
     T, H, dk = k.shape
     if g.shape != (T, H) or beta.shape != (T, H):
-        raise ValueError(f"gdn_chunk_transition: g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T, H] = [{T}, {H}]")
+        raise ValueError(f"gdn_chunk_transition: g {tuple(g.shape)} and beta {tuple(beta.shape)} "
+                         f"must be [T, H] = [{T}, {H}]")
     check_device("gdn_chunk_transition", _INTERPRETED, k, g, beta)
     k, g, beta = k.contiguous(), g.contiguous(), beta.contiguous()
     M = torch.empty((H, dk, dk), dtype=torch.float32, device=k.device)
@@ -89,7 +90,8 @@ def gdn_compose(states: torch.Tensor, transitions: torch.Tensor, initial: torch.
     S [H, dk, dv] fp32 from S = initial (or 0); for i in order: S <- M_i S + s_i (`gdn_compose_ref`)."""
     K, H, dk, dv = states.shape
     if transitions.shape != (K, H, dk, dk):
-        raise ValueError(f"gdn_compose: transitions {tuple(transitions.shape)} must be [K, H, dk, dk] = {[K, H, dk, dk]}")
+        raise ValueError(f"gdn_compose: transitions {tuple(transitions.shape)} "
+                         f"must be [K, H, dk, dk] = {[K, H, dk, dk]}")
     if initial is not None and initial.shape != (H, dk, dv):
         raise ValueError(f"gdn_compose: initial {tuple(initial.shape)} must be [H, dk, dv] = {[H, dk, dv]}")
     tensors = (states, transitions) if initial is None else (states, transitions, initial)

@@ -66,7 +66,8 @@ def rerotate_keys(k: torch.Tensor, delta: int | torch.Tensor, rotary_dim: int, b
         raise ValueError("rerotate_keys: k's last dim must be contiguous")
     out = torch.empty_like(k) if out is None else out
     if out.shape != k.shape or out.stride(-1) != 1:
-        raise ValueError(f"rerotate_keys: out {tuple(out.shape)} must match k {tuple(k.shape)} with a contiguous last dim")
+        raise ValueError(f"rerotate_keys: out {tuple(out.shape)} must match k {tuple(k.shape)} "
+                         "with a contiguous last dim")
     deltas = _deltas(delta, T, k.device).contiguous()
     freq = rope_inv_freq(rotary_dim, base, device=k.device)
     check_device("rerotate_keys", _INTERPRETED, k, out, deltas, freq)
