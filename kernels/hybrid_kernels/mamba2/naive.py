@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScanInputs:
     """One row's (or one sequence's) discretized inputs, fp32.
 
@@ -37,8 +37,10 @@ class ScanInputs:
     z: torch.Tensor | None
 
     def slice(self, start: int, end: int) -> "ScanInputs":
-        cut = lambda t: None if t is None else t[start:end]  # noqa: E731
-        return ScanInputs(cut(self.x), cut(self.dt), self.A, cut(self.B), cut(self.C), self.D, cut(self.z))
+        """Tokens [start, end) (A and D are per head and kept whole)."""
+        z = None if self.z is None else self.z[start:end]
+        return ScanInputs(self.x[start:end], self.dt[start:end], self.A, self.B[start:end], self.C[start:end],
+                          self.D, z)
 
 
 def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool,
