@@ -8,6 +8,7 @@ last W-1 *inputs* (pre-activation), oldest first. The math is `hybrid_kernels.co
 from __future__ import annotations
 
 import torch
+
 from hybrid_kernels.conv1d import causal_conv1d_ref, roll_window
 
 

@@ -14,6 +14,7 @@ heads (GQA-style `repeat_interleave`). The prefill returns the state at every 64
 from __future__ import annotations
 
 import torch
+
 from hybrid_kernels.gdn import (
     CHUNK,
     expand_heads,

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+
 from hybrid_kernels.mamba2 import (
     ScanInputs,
     discretize_dt,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
 from hybrid_kernels.conv1d import causal_conv1d_ref, roll_window
 
 

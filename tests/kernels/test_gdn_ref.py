@@ -5,6 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
+
 from hybrid_kernels.gdn import (
     CHUNK,
     gdn_chunk_ref,
@@ -16,10 +21,6 @@ from hybrid_kernels.gdn import (
     l2norm,
     state_from_sglang,
     state_to_sglang,
-)
-from transformers.models.qwen3_next.modeling_qwen3_next import (
-    torch_chunk_gated_delta_rule,
-    torch_recurrent_gated_delta_rule,
 )
 
 ATOL, RTOL = 2e-5, 1e-4

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_kernels.rope import rerotate_keys_ref, rope_inv_freq
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding, apply_rotary_pos_emb
+
+from hybrid_kernels.rope import rerotate_keys_ref, rope_inv_freq
 
 HEAD_DIM, HEADS, THETA = 32, 3, 10000.0
 

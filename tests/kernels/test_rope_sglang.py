@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_kernels.rope import rerotate_keys_ref
 from sglang.srt.layers.rotary_embedding import base as sglang_rope
+
+from hybrid_kernels.rope import rerotate_keys_ref
 
 HEAD, ROT, HEADS, THETA = 32, 8, 3, 10000.0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hybrid_kernels._triton_utils import check_device
 from hybrid_kernels.gdn import (
     gdn_chunk_ref,

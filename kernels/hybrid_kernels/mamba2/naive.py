@@ -36,7 +36,7 @@ class ScanInputs:
     D: torch.Tensor | None
     z: torch.Tensor | None
 
-    def slice(self, start: int, end: int) -> "ScanInputs":
+    def slice(self, start: int, end: int) -> ScanInputs:
         """Tokens [start, end) (A and D are per head and kept whole)."""
         z = None if self.z is None else self.z[start:end]
         return ScanInputs(self.x[start:end], self.dt[start:end], self.A, self.B[start:end], self.C[start:end],
