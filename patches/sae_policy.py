@@ -6,7 +6,7 @@ Targets (SGLang 0.5.23): `srt/mem_cache/utils.py: _EVICTION_POLICY_FACTORIES` (t
 `srt/arg_groups/kv_cache_hook.py: handle_cache_compatibility` (the main process's start-up
 check of the cache flags, where SGLang checks tlru's config): a bad key or value of the
 `sae` config stops the launch there with a ValueError naming the key, before any
-scheduler starts. Servers choosing another policy are untouched.
+scheduler starts (SystemExit with one line `sglang_ext: error: ...`). Servers choosing another policy are untouched.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ def _wrap_check(original):
     def handle_cache_compatibility(server_args, *args, **kwargs):
         from sglang_ext.eviction.sglang_adapter import check_server_args
 
-        check_server_args(server_args)
+        try:
+            check_server_args(server_args)
+        except ValueError as exc:   # one clear line, no traceback (as the plugin's start-up errors)
+            raise SystemExit(f"sglang_ext: error: {exc}") from None
         return original(server_args, *args, **kwargs)
 
     return handle_cache_compatibility

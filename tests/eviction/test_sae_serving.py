@@ -166,3 +166,20 @@ def test_a_returning_evicted_entry_is_a_rereference():
     again = PathNode("h2", 2, node.key, 0, 3)  # same tokens, a new tree node
     server.referenced([again], ["user"], server.request("b", None, 3), hit=False)
     assert server.stats.rereferenced_tokens == 3
+
+
+def test_replay_typed_spans_are_valid_request_fields():
+    import numpy as np
+
+    from eval.replay.cli import request_custom_params
+    from eval.replay.tokens import ScaledRequest, typed_spans
+    from sglang_ext.eviction import TOKEN_TYPES
+
+    idx = {name: i for i, name in enumerate(TOKEN_TYPES)}
+    blocks = np.asarray([idx["system"]] * 2 + [idx["user"]] + [idx["unknown"]] + [idx["tool_call"]] * 2)
+    spans = typed_spans(blocks, 4)
+    assert spans == ((0, 8, "system"), (8, 12, "user"), (16, 24, "tool_call"))
+    req = ScaledRequest(index=0, time=0.0, session=3, blocks=6, tokens=tuple(range(24)), spans=spans)
+    custom = request_custom_params(req)
+    record = parse_request(custom, 24)
+    assert record.session == "3" and record.type_at(17, 24) == "tool_call" and record.type_at(13, 24) == "unknown"
