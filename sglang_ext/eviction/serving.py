@@ -286,6 +286,7 @@ class ServerSAE:
         self._key_of: dict[Hashable, bytes] = {}  # node id -> key
         self._tokens: dict[bytes, int] = {}  # key -> tokens the policy was last told
         self._evictable: set[bytes] = set()
+        self._touched: dict[bytes, int] = {}  # key -> index of the request that last touched it
         self._requests: OrderedDict[Hashable, RequestInfo] = OrderedDict()  # rid -> info
         self._sessions: dict[str, int] = {}
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # evicted key -> tokens
@@ -323,7 +324,7 @@ class ServerSAE:
                    hit: bool) -> None:
         """``path`` (root to leaf, root excluded) is cached and read by ``request``:
         unknown keys are admitted, changed sizes resized, and with ``hit`` (a match)
-        known ones touched. ``types[i]``: token type of ``path[i]``. Mutates: the policy."""
+        known ones touched, once per request (a waiting request may be matched again). ``types[i]``: token type of ``path[i]``. Mutates: the policy."""
         policy = self.policy
         for node, kind in zip(path, types):
             key = node.key
@@ -343,8 +344,9 @@ class ServerSAE:
                         self._evictable.discard(key)
                     policy.resize(key, self._info(node, kind))
                     self._tokens[key] = node.n_tokens
-                if hit:
+                if hit and self._touched.get(key) != request.index:  # SGLang may re-match a waiting request
                     policy.touch(key, self._info(node, kind), request)
+                    self._touched[key] = request.index
             self._handles[key] = node
             self._key_of[node.node_id] = key
 
@@ -408,6 +410,7 @@ class ServerSAE:
         if node is not None and self._key_of.get(node.node_id) == key:
             del self._key_of[node.node_id]
         self._tokens.pop(key, None)
+        self._touched.pop(key, None)
         self._evictable.discard(key)
 
     # ----- introspection ------------------------------------------------------------

@@ -183,3 +183,17 @@ def test_replay_typed_spans_are_valid_request_fields():
     custom = request_custom_params(req)
     record = parse_request(custom, 24)
     assert record.session == "3" and record.type_at(17, 24) == "tool_call" and record.type_at(13, 24) == "unknown"
+
+
+def test_a_request_matched_twice_touches_once():
+    server = ServerSAE(parse_server_config({"clock": "requests"}))
+    node = PathNode("h", 1, content_keys([1, 2, 3], [3])[0], 0, 3)
+    server.referenced([node], ["user"], server.request("a", None, 3), hit=False)
+    server.set_evictable(1, True)
+    calls = []
+    server.policy.touch = lambda *a, **k: calls.append(a[0])
+    req = server.request("b", None, 4)
+    server.referenced([node], ["user"], req, hit=True)
+    server.referenced([node], ["user"], req, hit=True)
+    server.referenced([node], ["user"], server.request("c", None, 4), hit=True)
+    assert calls == [node.key, node.key]
