@@ -13,6 +13,7 @@ the walk the totals go to /metrics. Other policies run SGLang's heap unchanged.
 from __future__ import annotations
 
 import functools
+import time
 
 TARGET = ("srt/mem_cache/unified_cache/components/full.py: FullComponent._evict_device_start, "
           "_evict_device_next_node, _evict_device_end")
@@ -40,7 +41,9 @@ def _wrap_start(original):
         from sglang_ext.eviction.sglang_adapter import describe_leaf
 
         leaves = self.tree_core.evictable_device_leaves
+        t0 = time.perf_counter_ns()
         server.sync({n.id for n in leaves}, _alive_in(self.tree_core), lambda leaf: describe_leaf(self.tree_core, leaf), leaves)
+        server.stats.hook_ns += time.perf_counter_ns() - t0
         self._evict_device_request_cnt = request_cnt
         self._evict_device_last_node = None
         self._evict_device_heap = []

@@ -271,6 +271,7 @@ class ServeStats:
     rereferenced_tokens: int = 0  # tokens of evicted entries that came back
     decisions: int = 0
     decision_ns: int = 0
+    hook_ns: int = 0  # time in the match / insert hooks and the pre-eviction sync
 
 
 class ServerSAE:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Optional
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
@@ -107,10 +108,17 @@ def on_request_path(tree_core, req, last_node, token_ids, hit: bool) -> None:
     strategy = strategy_of(tree_core)
     if strategy is None or req is None:
         return
+    t0 = time.perf_counter_ns()
+    try:
+        _on_request_path(strategy.server, tree_core, req, last_node, token_ids, hit)
+    finally:
+        strategy.server.stats.hook_ns += time.perf_counter_ns() - t0
+
+
+def _on_request_path(server: ServerSAE, tree_core, req, last_node, token_ids, hit: bool) -> None:
     path = node_path(tree_core, last_node)
     if not path:
         return
-    server = strategy.server
     record = request_record(req)
     prompt_len = len(req.origin_input_ids)
     nodes = describe(path, token_ids)
@@ -132,6 +140,8 @@ def _metrics():
                          "Tokens of evicted entries that a later request brought back"),
         "decisions": Counter("sglang_ext:sae_decisions", "Eviction decisions (victim choices)"),
         "decision_s": Counter("sglang_ext:sae_decision_seconds", "Time spent choosing victims"),
+        "hook_s": Counter("sglang_ext:sae_hook_seconds",
+                          "Time spent in SAE's match / insert hooks and its pre-eviction sync"),
         "learned": Gauge("sglang_ext:sae_learned", "SAE's learned parameters", ["name"],
                          multiprocess_mode="mostrecent"),
     }
@@ -141,7 +151,7 @@ class _Published:
     """The totals last pushed to Prometheus (counters take deltas)."""
 
     def __init__(self) -> None:
-        self.evicted, self.reref, self.decisions, self.decision_ns = {}, 0, 0, 0
+        self.evicted, self.reref, self.decisions, self.decision_ns, self.hook_ns = {}, 0, 0, 0, 0
 
 
 def publish_metrics(strategy: SAEStrategy) -> None:
@@ -172,6 +182,9 @@ def _publish(strategy: SAEStrategy, metrics: dict) -> None:
         metrics["decisions"].inc(stats.decisions - last.decisions)
         metrics["decision_s"].inc((stats.decision_ns - last.decision_ns) / 1e9)
         last.decisions, last.decision_ns = stats.decisions, stats.decision_ns
+    if stats.hook_ns > last.hook_ns:
+        metrics["hook_s"].inc((stats.hook_ns - last.hook_ns) / 1e9)
+        last.hook_ns = stats.hook_ns
     for name, value in server.learned().items():
         metrics["learned"].labels(name=name).set(value)
 
