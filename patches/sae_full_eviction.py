@@ -73,7 +73,7 @@ def _wrap_next(original):
         parent = self._evict_device_last_node.parent if self._evict_device_last_node is not None else None
         _finish_last(self, server)
         leaves = self.tree_core.evictable_device_leaves
-        if parent is not None and parent in leaves and parent.id not in server._key_of:
+        if parent is not None and parent in leaves and not server.knows(parent.id):
             from sglang_ext.eviction.sglang_adapter import describe_leaf
 
             server.sync({n.id for n in leaves}, _alive_in(self.tree_core), lambda leaf: describe_leaf(self.tree_core, leaf), [parent])

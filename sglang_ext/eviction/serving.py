@@ -351,6 +351,10 @@ class ServerSAE:
             self._handles[key] = node
             self._key_of[node.node_id] = key
 
+    def knows(self, node_id: Hashable) -> bool:
+        """Whether the node ``node_id`` is one of SAE's entries."""
+        return node_id in self._key_of
+
     def set_evictable(self, node_id: Hashable, evictable: bool) -> None:
         key = self._key_of.get(node_id)
         if key is None or (key in self._evictable) == evictable:
