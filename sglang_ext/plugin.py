@@ -36,13 +36,21 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(RESOLVE_TARGET, before_resolve, HookType.BEFORE)
+    from sglang_ext.eviction.sglang_adapter import register_policy
+
+    register_policy()   # `--radix-eviction-policy sae` parses; the seams come below when chosen
 
 
 def before_resolve(server_args, *args, **kwargs):
     """BEFORE hook on `ServerArgs.resolve_once` (main process, plain-SGLang launch)."""
-    if read_env().patch_mode is None and selects_tail_replay(server_args):
+    if read_env().patch_mode is None and (selects_tail_replay(server_args) or selects_sae(server_args)):
         try:
-            check_main_process(server_args)
+            if selects_tail_replay(server_args):
+                check_main_process(server_args)
+            if selects_sae(server_args):
+                from sglang_ext.eviction.sglang_adapter import check_server_args
+
+                check_server_args(server_args)
         except ValueError as exc:
             raise SystemExit(f"sglang_ext: error: {exc}") from None
         export_patch_mode("gpu")   # inherited by every child SGLang starts from here on
@@ -54,6 +62,12 @@ def selects_tail_replay(server_args) -> bool:
     from sglang_ext.tail_replay.config import BACKEND_NAME
 
     return getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME
+
+
+def selects_sae(server_args) -> bool:
+    from sglang_ext.eviction.sglang_adapter import POLICY_NAME
+
+    return getattr(server_args, "radix_eviction_policy", None) == POLICY_NAME
 
 
 def check_main_process(server_args) -> list[str]:

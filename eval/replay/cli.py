@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-mamba-cache-size", type=int, default=32, help="recurrent-state slots of every server")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (1: one at a time)")
     p.add_argument("--new-tokens", type=int, default=1, help="greedy output tokens per request")
+    p.add_argument("--typed", action="store_true",
+                   help="send each request's token-type spans and session (custom_params token_types / "
+                        "session, read by --radix-eviction-policy sae; docs/saecache.md section 7)")
+    p.add_argument("--session-ids", action="store_true",
+                   help="send each request's conversation as SGLang's top-level session_id (read by "
+                        "--enable-session-radix-cache)")
     p.add_argument("--servers", nargs="+", default=["stock", "tail_replay"],
                    help="server specs: [LABEL=]KIND[:JSON] [SGLANG ARGS...], KIND stock or tail_replay; "
                         "e.g. stock 'tail_replay:{\"keep_checkpoints\": false}' "
@@ -156,12 +162,22 @@ def resolve_model(args) -> Path:
 
 # ---------------------------------------------------------------------------- replay
 
+def request_custom_params(req: ScaledRequest) -> dict:
+    """`--typed`: the request's spans and (for traces with sessions) its session."""
+    out: dict = {"token_types": [list(s) for s in req.spans]}
+    if req.session is not None and req.session >= 0:
+        out["session"] = int(req.session)
+    return out
+
+
 def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, concurrency: int,
-                    desc: str) -> tuple[list[dict], float]:
+                    desc: str, typed: bool = False, session_ids: bool = False) -> tuple[list[dict], float]:
     """Send every request (at most `concurrency` in flight, submitted in order); records in
     request order and the wall time from the first send to the last answer."""
     def one(req: ScaledRequest) -> dict:
-        resp = stream_generate(url, list(req.tokens), new_tokens)
+        resp = stream_generate(url, list(req.tokens), new_tokens,
+                               custom_params=request_custom_params(req) if typed else None,
+                               session_id=f"conversation-{req.session}" if session_ids and req.session >= 0 else None)
         details = (resp.meta_info.get("cached_tokens_details") or {}) if resp.ok else {}
         return {"index": req.index, "session": req.session, "prompt_tokens": len(req.tokens),
                 "ok": resp.ok, "error": resp.error,
@@ -211,7 +227,8 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     load = sample_load(exclude_pids=all_pids, seconds=args.load_sample_s)
     threads = _server_threads(server.proc.pid)
     window = CpuWindow(all_pids).start()
-    records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label)
+    records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label,
+                                   typed=args.typed, session_ids=args.session_ids)
     other_during = window.stop()
     busy = max(load.other_cpu_percent, other_during) > args.max_other_cpu
     withheld = None

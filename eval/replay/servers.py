@@ -107,11 +107,18 @@ class Response:
     error: str | None = None
 
 
-def stream_generate(url: str, input_ids: list[int], new_tokens: int, timeout_s: float = 1800.0) -> Response:
+def stream_generate(url: str, input_ids: list[int], new_tokens: int, timeout_s: float = 1800.0,
+                    custom_params: dict | None = None, session_id: str | None = None) -> Response:
     """POST /generate with streaming and greedy decoding; never raises for HTTP or protocol
-    errors (they come back as `ok=False` with the reason)."""
+    errors (they come back as `ok=False` with the reason). `custom_params`: sent as
+    `sampling_params.custom_params` (e.g. SAE's token_types and session); `session_id`: SGLang's
+    top-level session id (its session radix cache reads it)."""
     payload = {"input_ids": list(input_ids), "stream": True,
                "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
+    if custom_params:
+        payload["sampling_params"]["custom_params"] = custom_params
+    if session_id is not None:
+        payload["session_id"] = session_id
     t0 = time.perf_counter()
     ttft, last = None, None
     try:

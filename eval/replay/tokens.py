@@ -42,6 +42,9 @@ class ScaledRequest:
     session: int
     blocks: int
     tokens: tuple[int, ...]
+    #: typed spans [start, end, token type] of the prompt (runs of equal block type, "unknown"
+    #: left out): what `--typed` sends as `sampling_params.custom_params.token_types`
+    spans: tuple[tuple[int, int, str], ...] = ()
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -90,5 +93,21 @@ def scale_trace(trace: Trace, tokens_per_block: int, limit: int | None = None,
         path = block_path(trace, request.last_block)
         tokens = block_tokens(path, tokens_per_block, seed)
         out.append(ScaledRequest(index=len(out), time=request.time, session=request.session,
-                                 blocks=len(path), tokens=tuple(int(t) for t in tokens)))
+                                 blocks=len(path), tokens=tuple(int(t) for t in tokens),
+                                 spans=typed_spans(trace.block_type[path], tokens_per_block)))
     return out
+
+
+def typed_spans(block_types: np.ndarray, tokens_per_block: int) -> tuple[tuple[int, int, str], ...]:
+    """Runs of equal block type as token spans (TOKEN_TYPES names), "unknown" runs left out."""
+    from sglang_ext.eviction import TOKEN_TYPES
+
+    spans, start = [], 0
+    types = [int(t) for t in block_types]
+    for i in range(1, len(types) + 1):
+        if i == len(types) or types[i] != types[start]:
+            name = TOKEN_TYPES[types[start]]
+            if name != "unknown":
+                spans.append((start * tokens_per_block, i * tokens_per_block, name))
+            start = i
+    return tuple(spans)

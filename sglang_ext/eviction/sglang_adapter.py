@@ -1,0 +1,206 @@
+"""SGLang adapter of SAECache (``--radix-eviction-policy sae``): the strategy object SGLang's
+tree core holds, the one accessor for the per-request record, and the translation of
+SGLang tree nodes into ``serving.PathNode``. The seams that call it are
+``patches/sae_policy.py`` (factory, CLI choice, start-up check), ``sae_tree_core.py``
+(the Python tree core), ``sae_cache_events.py`` (match / insert), ``sae_full_eviction.py``
+(the full-KV eviction walk), ``sae_request.py`` and ``sae_chat.py`` (request fields).
+
+Only the full-KV leaf order is SAE's. Recurrent-state checkpoints (Mamba component)
+keep SGLang's rule: least recently used state first (under ``tail_replay`` the state
+alone, the node keeps its KV; on the default backend a state on a leaf takes the leaf,
+which SAE then sees as an external eviction, queue ``state``): docs/saecache.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Optional
+
+from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+
+from .serving import (PathNode, SAERequest, ServerSAE, content_keys, parse_request,
+                      parse_server_config)
+
+logger = logging.getLogger(__name__)
+POLICY_NAME = "sae"
+#: the one attribute SAE keeps on SGLang's Req (a SAERequest, or _NONE)
+_REQ_ATTR = "_sglang_ext_sae"
+_NONE = SAERequest()
+
+
+class SAEStrategy(EvictionStrategy):
+    """What ``get_eviction_strategy("sae", config)`` builds. ``server`` drives the full-KV
+    leaf eviction (see patches/sae_full_eviction.py); ``get_priority`` (last access) orders
+    only walks SAE does not drive (host-tier eviction)."""
+
+    def __init__(self, **config) -> None:
+        self.server = ServerSAE(parse_server_config(config))
+
+    def get_priority(self, node) -> float:
+        return node.last_access_time
+
+
+def strategy_of(tree_core) -> Optional[SAEStrategy]:
+    strategy = getattr(tree_core, "eviction_strategy", None)
+    return strategy if isinstance(strategy, SAEStrategy) else None
+
+
+def request_record(req) -> SAERequest:
+    """The request's SAE record (typed spans, session), parsed once from
+    ``sampling_params.custom_params`` and SGLang's session id (validated at arrival by
+    patches/sae_request.py, so parsing here cannot fail on a served request)."""
+    record = req.__dict__.get(_REQ_ATTR)
+    if record is None:
+        custom = getattr(req.sampling_params, "custom_params", None)
+        session = getattr(req, "session_id", None)
+        try:
+            record = parse_request(custom, None, session) or _NONE
+        except ValueError:
+            record = _NONE
+        req.__dict__[_REQ_ATTR] = record
+    return record
+
+
+def node_path(tree_core, node) -> list:
+    """Nodes root (excluded) -> ``node``. ``node`` may be a node or a node id."""
+    if node is None:
+        return []
+    if not hasattr(node, "parent"):
+        node = tree_core.node_by_id(node)
+    root, path = tree_core.root_node, []
+    while node is not None and node is not root:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    return path
+
+
+def _namespace(node) -> str:
+    key = node.key
+    return f"{getattr(key, 'extra_key', None) or ''}|{getattr(key, 'cache_salt', None) or ''}"
+
+
+def describe(path: list, token_ids) -> list[PathNode]:
+    """PathNodes of ``path`` whose tokens are ``token_ids`` from the root."""
+    if not path:
+        return []
+    ends, total = [], 0
+    for node in path:
+        total += len(node.key)
+        ends.append(total)
+    keys = content_keys(token_ids[:total], ends, _namespace(path[0]))
+    return [PathNode(node, node.id, key, end - len(node.key), len(node.key))
+            for node, key, end in zip(path, keys, ends)]
+
+
+def describe_leaf(tree_core, leaf) -> tuple[PathNode, str]:
+    """A node SAE has not seen on any request path (rare: built by a walk SAE does not
+    hook): its tokens from the tree, type unknown."""
+    path = node_path(tree_core, leaf)
+    tokens = [t for n in path for t in n.key.token_ids[: len(n.key)]]
+    return describe(path, tokens)[-1], "unknown"
+
+
+def on_request_path(tree_core, req, last_node, token_ids, hit: bool) -> None:
+    """Tell SAE that ``req`` matched (``hit``) or cached the path ending at ``last_node``."""
+    strategy = strategy_of(tree_core)
+    if strategy is None or req is None:
+        return
+    t0 = time.perf_counter_ns()
+    try:
+        _on_request_path(strategy.server, tree_core, req, last_node, token_ids, hit)
+    finally:
+        strategy.server.stats.hook_ns += time.perf_counter_ns() - t0
+
+
+def _on_request_path(server: ServerSAE, tree_core, req, last_node, token_ids, hit: bool) -> None:
+    path = node_path(tree_core, last_node)
+    if not path:
+        return
+    record = request_record(req)
+    prompt_len = len(req.origin_input_ids)
+    nodes = describe(path, token_ids)
+    types = [record.type_at(n.start + n.n_tokens - 1, prompt_len) for n in nodes]
+    server.referenced(nodes, types, server.request(req.rid, record, prompt_len), hit)
+    leaves = tree_core.evictable_device_leaves
+    for node in path:
+        server.set_evictable(node.id, node in leaves)
+
+
+@functools.lru_cache(maxsize=1)
+def _metrics():
+    from prometheus_client import Counter, Gauge
+
+    return {
+        "evicted": Counter("sglang_ext:sae_evicted_tokens", "Tokens SAE's cache evicted, by token type and queue",
+                           ["token_type", "queue"]),
+        "reref": Counter("sglang_ext:sae_rereferenced_evicted_tokens",
+                         "Tokens of evicted entries that a later request brought back"),
+        "decisions": Counter("sglang_ext:sae_decisions", "Eviction decisions (victim choices)"),
+        "decision_s": Counter("sglang_ext:sae_decision_seconds", "Time spent choosing victims"),
+        "hook_s": Counter("sglang_ext:sae_hook_seconds",
+                          "Time spent in SAE's match / insert hooks and its pre-eviction sync"),
+        "learned": Gauge("sglang_ext:sae_learned", "SAE's learned parameters", ["name"],
+                         multiprocess_mode="mostrecent"),
+    }
+
+
+class _Published:
+    """The totals last pushed to Prometheus (counters take deltas)."""
+
+    def __init__(self) -> None:
+        self.evicted, self.reref, self.decisions, self.decision_ns, self.hook_ns = {}, 0, 0, 0, 0
+
+
+def publish_metrics(strategy: SAEStrategy) -> None:
+    """Push ``strategy.server``'s totals to /metrics (called after each eviction walk)."""
+    try:
+        _publish(strategy, _metrics())
+    except Exception as exc:  # metrics must never take the scheduler down
+        if not _failed:
+            _failed.append(exc)
+            logger.warning("sae: /metrics not updated (%s: %s)", type(exc).__name__, exc)
+
+
+_failed: list = []
+
+
+def _publish(strategy: SAEStrategy, metrics: dict) -> None:
+    server, last = strategy.server, strategy.__dict__.setdefault("_published", _Published())
+    stats = server.stats
+    for (kind, queue), tokens in stats.evicted_tokens.items():
+        delta = tokens - last.evicted.get((kind, queue), 0)
+        if delta:
+            metrics["evicted"].labels(token_type=kind, queue=queue).inc(delta)
+            last.evicted[(kind, queue)] = tokens
+    if stats.rereferenced_tokens > last.reref:
+        metrics["reref"].inc(stats.rereferenced_tokens - last.reref)
+        last.reref = stats.rereferenced_tokens
+    if stats.decisions > last.decisions:
+        metrics["decisions"].inc(stats.decisions - last.decisions)
+        metrics["decision_s"].inc((stats.decision_ns - last.decision_ns) / 1e9)
+        last.decisions, last.decision_ns = stats.decisions, stats.decision_ns
+    if stats.hook_ns > last.hook_ns:
+        metrics["hook_s"].inc((stats.hook_ns - last.hook_ns) / 1e9)
+        last.hook_ns = stats.hook_ns
+    for name, value in server.learned().items():
+        metrics["learned"].labels(name=name).set(value)
+
+
+def register_policy() -> None:
+    """Make ``sae`` a factory and a CLI choice of ``--radix-eviction-policy`` (idempotent)."""
+    from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
+    from sglang.srt.mem_cache import utils
+
+    utils._EVICTION_POLICY_FACTORIES.setdefault(POLICY_NAME, SAEStrategy)
+    if POLICY_NAME not in RADIX_EVICTION_POLICY_CHOICES:
+        add_radix_eviction_policy_choices([POLICY_NAME])
+
+
+def check_server_args(server_args) -> None:
+    """Start-up check (main process): the config parses; raises ValueError naming the key."""
+    if getattr(server_args, "radix_eviction_policy", None) != POLICY_NAME:
+        return
+    parse_server_config(server_args.radix_eviction_policy_config)
