@@ -8,7 +8,10 @@ setup(
     description="SGLang extension: Tail-Replay prefix reuse, SAECache eviction, LinearKV for hybrid LLMs",
     python_requires=">=3.10,<3.13",
     packages=find_packages(include=["sglang_ext", "sglang_ext.*", "patches", "patches.*",
-                                    "eval", "eval.*"]),
+                                    "eval", "eval.*"]) + find_packages(where="kernels"),
+    # kernels/ has no __init__.py (the pip package `kernels`, which SGLang uses, must not be shadowed):
+    # it only holds the import package hybrid_kernels
+    package_dir={"hybrid_kernels": "kernels/hybrid_kernels"},
     package_data={"eval.fixtures": ["corpus.txt"], "eval.trace_sim": ["*.json"], "eval.longbench": ["*.json"]},
     install_requires=[
         # SGLang and the stack it is tested with; the extension refuses other SGLang versions.

@@ -13,9 +13,9 @@ imports from `kernels/ops/mamba/triton_ops`:
   `srt/layers/attention/mamba/causal_conv1d.py`, delegating to `patches/cpu_ops/conv1d.py`.
 
 Layouts (SGLang's): x [b, L, H, P], dt [b, L, H], A [H], B/C [b, L, G, N], D [H] or [H, P],
-SSM state [.., H, P, N]. Math in fp32. Within a sequence the scan runs segment by segment
-(segments end on the chunk grid and at tracked ends), each in the quadratic "attention" form
-of SSD, so the state at every segment end is exact and cheap to keep.
+SSM state [.., H, P, N]. Math in fp32 (`hybrid_kernels.mamba2`). Within a sequence the scan runs
+segment by segment (segments end on the chunk grid and at tracked ends), each in the quadratic
+"attention" form of SSD, so the state at every segment end is exact and cheap to keep.
 """
 
 from __future__ import annotations
@@ -24,84 +24,17 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+from hybrid_kernels.mamba2 import (
+    ScanInputs,
+    discretize_dt,
+    expand_groups,
+    scan_segment,
+    scan_sequence,
+    ssd_step_ref,
+)
 
-
-@dataclass
-class ScanInputs:
-    """One row's (or one sequence's) discretized inputs, fp32.
-
-    x [T, H, P]; dt [T, H] (after bias/softplus/clamp); A [H]; B, C [T, H, N] (groups
-    expanded to heads); D [H, P] or None; z [T, H, P] or None.
-    """
-
-    x: torch.Tensor
-    dt: torch.Tensor
-    A: torch.Tensor
-    B: torch.Tensor
-    C: torch.Tensor
-    D: torch.Tensor | None
-    z: torch.Tensor | None
-
-    def slice(self, start: int, end: int) -> "ScanInputs":
-        cut = lambda t: None if t is None else t[start:end]  # noqa: E731
-        return ScanInputs(cut(self.x), cut(self.dt), self.A, cut(self.B), cut(self.C), self.D, cut(self.z))
-
-
-def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool,
-                  dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
-    """dt [..., H] (or [..., H, P]) -> fp32 time step: + bias, softplus, clamp to dt_limit."""
-    dt = dt.float()
-    if dt_bias is not None:
-        dt = dt + dt_bias.float()
-    if softplus:
-        dt = F.softplus(dt)
-    if dt_limit != (0.0, float("inf")):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
-
-
-def expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[..., G, N] -> [..., H, N]: head h reads group h // (H // G)."""
-    return t.float().repeat_interleave(num_heads // t.shape[-2], dim=-2)
-
-
-def scan_segment(seg: ScanInputs, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SSD over one segment, quadratic form. h0 [H, P, N] fp32 -> (y [T, H, P], h_end [H, P, N]).
-
-    y_t = sum_{s<=t} (C_t . B_s) exp(cum_t - cum_s) dt_s x_s + C_t . (exp(cum_t) h0) + D x_t,
-    h_end = exp(cum_T) h0 + sum_s exp(cum_T - cum_s) dt_s B_s x_s^T, where cum = cumsum(dt A).
-    """
-    cum = torch.cumsum(seg.dt * seg.A.float(), dim=0)                       # [T, H]
-    diff = cum[:, None, :] - cum[None, :, :]                                 # [T, S, H]
-    causal = torch.ones(diff.shape[:2], dtype=torch.bool, device=diff.device).tril()
-    decay = torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))  # [T, S, H]
-    scores = torch.einsum("thn,shn->tsh", seg.C, seg.B) * decay * seg.dt[None]
-    y = torch.einsum("tsh,shp->thp", scores, seg.x)
-    y = y + torch.einsum("thn,hpn->thp", seg.C, h0) * torch.exp(cum)[..., None]
-    weights = torch.exp(cum[-1:] - cum) * seg.dt                             # [T, H]
-    h_end = h0 * torch.exp(cum[-1])[:, None, None] + torch.einsum("th,thn,thp->hpn", weights, seg.B, seg.x)
-    if seg.D is not None:
-        y = y + seg.x * seg.D
-    if seg.z is not None:
-        y = y * F.silu(seg.z)
-    return y, h_end
-
-
-def scan_sequence(seq: ScanInputs, h0: torch.Tensor, cuts: list[int]
-                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """Scan one sequence, cutting it at the (sorted, in (0, T]) offsets `cuts`.
-
-    h0 [H, P, N] fp32 -> (y [T, H, P], {cut: state after the first `cut` tokens}).
-    """
-    ys, states, start, h = [], {0: h0}, 0, h0
-    for end in cuts:
-        y, h = scan_segment(seq.slice(start, end), h)
-        ys.append(y)
-        states[end] = h
-        start = end
-    y = torch.cat(ys) if ys else seq.x.new_zeros(seq.x.shape)
-    return y, states
+__all__ = ["ScanInputs", "causal_conv1d_fn", "causal_conv1d_update", "discretize_dt", "expand_groups",
+           "mamba_chunk_scan_combined", "scan_segment", "scan_sequence", "selective_state_update"]
 
 
 def _sequence_bounds(length: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
@@ -298,14 +231,8 @@ def _ssu_step(h, steps: _Steps, row: int, t: int, A, D, dt_bias, dt_softplus):
     dt = discretize_dt(steps.dt[row, t], dt_bias, dt_softplus)               # [H, P]
     B = expand_groups(steps.B[row, t], num_heads)                           # [H, N]
     C = expand_groups(steps.C[row, t], num_heads)
-    x = steps.x[row, t].float()                                              # [H, P]
-    h = h * torch.exp(dt[..., None] * A.float()) + (dt * x)[..., None] * B[:, None, :]
-    y = torch.einsum("hpn,hn->hp", h, C)
-    if D is not None:
-        y = y + x * D.float()
-    if steps.z is not None:
-        y = y * F.silu(steps.z[row, t].float())
-    return y, h
+    z = None if steps.z is None else steps.z[row, t]
+    return ssd_step_ref(h, steps.x[row, t], dt, A, B, C, D, z)
 
 
 def causal_conv1d_fn(x, weight, bias=None, query_start_loc=None, cache_indices=None,

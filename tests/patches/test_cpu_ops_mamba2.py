@@ -1,5 +1,6 @@
-"""Pure-torch Mamba-2 CPU ops vs independent references: a token-by-token recurrence written
-here and transformers' torch paths (outputs, final states, chunk-grid and tracked states)."""
+"""Mamba-2 CPU ops (SGLang signatures: packed sequences, pool slots, chunk-grid and tracked states)
+vs independent references: a token-by-token recurrence written here and transformers' torch paths.
+The math itself: tests/kernels/."""
 
 from __future__ import annotations
 
