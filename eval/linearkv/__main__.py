@@ -85,7 +85,8 @@ def run_model(model_dir: str, args, records: dict, sink) -> None:
     stop = (eos,) if isinstance(eos, int) else tuple(eos or ())
     selectors = [parse_selector(s) for s in args.selectors.split(",")]
     rules = [get_state_rule(r) for r in args.rules.split(",")]
-    jobs = [(t, n, i) for t in args.tasks.split(",") for n in map(int, args.lengths.split(",")) for i in range(args.samples)]
+    lengths = [int(n) for n in args.lengths.split(",")]
+    jobs = [(t, n, i) for t in args.tasks.split(",") for n in lengths for i in range(args.samples)]
     bar = tqdm(total=len(jobs) * (1 + len(selectors) * len(rules)), desc=name, unit="run")
     for task, length, index in jobs:
         s = builder.sample(task, length, index)
@@ -170,7 +171,8 @@ def table(records: list[dict]) -> str:
         pct = f"{100 * score / fscore:.0f}" if fscore > 0 else "n/a"
         lines.append(
             f"| {model} | {task} | {sel} | {rule} | {len(rs)} | {score:.1f} | {fscore:.1f} | {pct} | "
-            f"{100 * statistics.fmean(r['same'] for r in rs):.0f} % | {100 * statistics.fmean(r['first_same'] for r in rs):.0f} % | "
+            f"{100 * statistics.fmean(r['same'] for r in rs):.0f} % | "
+            f"{100 * statistics.fmean(r['first_same'] for r in rs):.0f} % | "
             f"{statistics.fmean(r['drift'] for r in rs):.3f} | "
             f"{100 * statistics.fmean(r['recomputed'] / r['tokens'] for r in rs):.1f} % | "
             f"{_median([r['pic_s'] / r['full_s'] for r in rs]):.2f} |")
@@ -201,7 +203,7 @@ def plot(records: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, max(1, len(models)), figsize=(6 * max(1, len(models)), 8), squeeze=False)
     for col, model in enumerate(models):
         rs = [r for r in fulls if r["model"] == model]
-        layers = sorted({int(l) for r in rs for l in r["diag"]})
+        layers = sorted({int(layer) for r in rs for layer in r["diag"]})
         cmap = plt.get_cmap("viridis", len(layers))
         for li, layer in enumerate(layers):
             for which, marker in (("compose", "o"), ("single", "x")):

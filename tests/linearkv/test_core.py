@@ -5,13 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ext.linearkv import (STATE_RULES, ChunkEntry, ChunkReferenceError, ChunkStore, LinearLayerState,
-                                 chunk_id, get_state_rule, parse_selector)
+from sglang_ext.linearkv import (
+    STATE_RULES,
+    ChunkEntry,
+    ChunkReferenceError,
+    ChunkStore,
+    LinearLayerState,
+    chunk_id,
+    get_state_rule,
+    parse_selector,
+)
 from sglang_ext.linearkv.initializers import LayerChunks, Seed
 
 
 def _entry(model_id="m", ids=(1, 2, 3), dtype=torch.float32, kv_dtype=None):
-    kv = {3: (torch.zeros(2, len(ids), 4, dtype=kv_dtype or dtype), torch.zeros(2, len(ids), 4, dtype=kv_dtype or dtype))}
+    kv_dtype = kv_dtype or dtype
+    kv = {3: (torch.zeros(2, len(ids), 4, dtype=kv_dtype), torch.zeros(2, len(ids), 4, dtype=kv_dtype))}
     lin = {0: LinearLayerState(torch.ones(2, 4, 4), torch.ones(8, 4), torch.eye(4).expand(2, 4, 4))}
     return ChunkEntry(chunk_id(model_id, ids), model_id, tuple(ids), dtype, kv, lin)
 
@@ -65,7 +74,8 @@ def test_selectors_pick_exact_ids():
     for bad in ("epic", "epic--1", "cacheblend-x", "cacheblend-150", "random-3", "none-1"):
         with pytest.raises(ValueError, match="bad selector"):
             parse_selector(bad)
-    assert [parse_selector(s).name for s in ("none", "epic-16", "cacheblend-0.15")] == ["none", "epic-16", "cacheblend-15"]
+    names = [parse_selector(s).name for s in ("none", "epic-16", "cacheblend-0.15")]
+    assert names == ["none", "epic-16", "cacheblend-15"]
 
 
 def test_state_rules_choose_the_documented_seed():
