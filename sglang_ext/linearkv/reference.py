@@ -144,12 +144,42 @@ def cache_from(model, layout: ModelLayout, kv: dict, linear: dict):
 
 def _call_layer(model, layout, i, h, pos, cache, mask):
     layer = _layers(model)[i]
-    position_ids = pos[None]
+    position_ids = pos[None] if pos.dim() == 1 else pos
     if layout.arch == "qwen3_next":
         pe = model.model.rotary_emb(h, position_ids)
         return layer(h, position_embeddings=pe, attention_mask=mask, position_ids=position_ids,
                      past_key_values=cache)
     return layer(h, past_key_values=cache, attention_mask=mask, position_ids=position_ids)
+
+
+@contextlib.contextmanager
+def _span_chunk_size(model, layout: ModelLayout, i: int, length: int):
+    """Run linear layer i's chunked scan with a chunk no longer than needed for a `length`-token
+    span: transformers' torch kernels pad every call to a multiple of the chunk size (GDN 64,
+    Mamba-2 128), which would make a 16-token span cost a whole chunk. The result is the same
+    recurrence (chunking is exact); only the padding goes."""
+    size = 16
+    while size < length:
+        size *= 2
+    if layout.kind == "mamba2":
+        mixer = _mixer(model, layout, i)
+        original = mixer.chunk_size
+        mixer.chunk_size = min(original, size)
+        try:
+            yield
+        finally:
+            mixer.chunk_size = original
+    else:
+        import functools
+
+        from transformers.models.qwen3_next import modeling_qwen3_next as mod
+
+        original = mod.torch_chunk_gated_delta_rule
+        mod.torch_chunk_gated_delta_rule = functools.partial(original, chunk_size=min(64, size))
+        try:
+            yield
+        finally:
+            mod.torch_chunk_gated_delta_rule = original
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,20 +499,22 @@ def assemble(model, layout: ModelLayout, chunks: Sequence, suffix_ids: Sequence[
                 groups = spans_of(recomputed)
             new_h = torch.empty_like(h)
             row_of = {q: r for r, q in enumerate(recomputed)}
+            by_len: dict[int, list] = {}            # spans of equal length run as one batch
             for group, j in groups:
-                if j < 0:
-                    seed = layer_chunks[i].start()
-                else:
-                    seed = rule.seed(layer_chunks[i], j)
-                rows = torch.tensor([row_of[q] for q in group])
+                by_len.setdefault(len(group), []).append((group, j))
+            for batch in by_len.values():
+                seeds = [layer_chunks[i].start() if j < 0 else rule.seed(layer_chunks[i], j) for _, j in batch]
+                rows = torch.tensor([[row_of[q] for q in group] for group, _ in batch])      # [B, L]
                 cache = _new_cache(model)
-                _seed_linear(cache, i, seed.state[None], seed.conv[None])
-                out = _call_layer(model, layout, i, h[:, rows], torch.tensor(group), cache, None)
-                new_h[:, rows] = out
-                if group[-1] == n - 1:          # the span that ends the prompt: decoding continues from it
-                    question_seeds[i] = seed
-                    final_linear[i] = Seed(cache.layers[i].recurrent_states[0].clone(),
-                                           cache.layers[i].conv_states[0].clone())
+                _seed_linear(cache, i, torch.stack([sd.state for sd in seeds]), torch.stack([sd.conv for sd in seeds]))
+                with _span_chunk_size(model, layout, i, rows.shape[1]):
+                    out = _call_layer(model, layout, i, h[0, rows], torch.tensor([g for g, _ in batch]), cache, None)
+                new_h[0, rows] = out
+                for b, ((group, _), seed) in enumerate(zip(batch, seeds)):
+                    if group[-1] == n - 1:      # the span that ends the prompt: decoding continues from it
+                        question_seeds[i] = seed
+                        final_linear[i] = Seed(cache.layers[i].recurrent_states[0][b:b + 1].clone(),
+                                               cache.layers[i].conv_states[0][b:b + 1].clone())
             h = new_h
         else:                                    # MLP / MoE blocks (Nemotron-H): per token
             h = _call_layer(model, layout, i, h, pos, None, None)
