@@ -1,0 +1,1 @@
+"""LinearKV evaluation (reference path): `python -m eval.linearkv`."""
