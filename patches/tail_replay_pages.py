@@ -18,7 +18,7 @@ TARGET = "srt/arg_groups/mamba_hook.py: validate_mamba_no_buffer"
 def _wrap(original):
     @functools.wraps(original)
     def validate_mamba_no_buffer(view, model_arch: str):
-        from sglang_ext.tail_replay.config import BACKEND_NAME
+        from sglang_ext.tail_replay import BACKEND_NAME
 
         if getattr(view, "radix_cache_backend", None) != BACKEND_NAME or (view.page_size or 1) == 1:
             return original(view, model_arch)

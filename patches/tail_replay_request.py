@@ -17,11 +17,15 @@ tail_replay` are left to SGLang's own checks. (`input_ids` are checked by `reque
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang_ext.tail_replay import RequestLimits, TailReplayConfig
 
 TARGET = "srt/sampling/sampling_params.py: SamplingParams.verify"
 
 
-def _server_limits():
+def _server_limits() -> "tuple[TailReplayConfig, RequestLimits] | None":
     """(config, RequestLimits) of this server, or None when it does not run Tail-Replay, from
     the server args SGLang published in this process and the config (parsed once)."""
     from sglang.srt.runtime_context import get_server_args
@@ -32,14 +36,13 @@ def _server_limits():
 
 
 @functools.lru_cache(maxsize=4)
-def _limits_for(radix_cache_backend, kv_cache_dtype: str):
-    from sglang_ext.env import read_tail_replay_config
-    from sglang_ext.tail_replay.config import BACKEND_NAME
-    from sglang_ext.tail_replay.startup import ServerFacts, request_limits
+def _limits_for(radix_cache_backend: str | None,
+                kv_cache_dtype: str) -> "tuple[TailReplayConfig, RequestLimits] | None":
+    from sglang_ext.tail_replay import BACKEND_NAME, ServerFacts, request_limits, server_config
 
     if radix_cache_backend != BACKEND_NAME:
         return None
-    config = read_tail_replay_config()
+    config = server_config()
     return config, request_limits(config, ServerFacts(kv_cache_dtype=kv_cache_dtype))
 
 
@@ -49,7 +52,7 @@ def _wrap_verify(original):
         original(self, *args, **kwargs)
         server = _server_limits()
         if server is not None:
-            from sglang_ext.tail_replay.config import request_overrides
+            from sglang_ext.tail_replay import request_overrides
 
             request_overrides(server[0], self.custom_params, server[1])
 

@@ -7,20 +7,22 @@ What changes against SGLang 0.5.23's `UnifiedRadixCache` + `MambaComponent`:
   L - W with a zeroed linear state (approximate), or 0.
 - caching: states computed after an approximate replay (and, with keep_checkpoints=False, all
   states) are never inserted; the attention KV still is.
-The per-request decision is `req.tail_replay` (a ReplayPlan) plus, for exact-KV replay,
-`req.tail_replay_kv_slots`: the tree's KV slots of the replayed tail, read by
-`patches/tail_replay_batch.py` / `tail_replay_attention.py`.
+The per-request decision goes into the request's record (`tail_replay.request`): its config
+(resolved once, at the first match), the plan (a ReplayPlan) and, for exact-KV replay, `kv_slots`:
+the tree's KV slots of the replayed tail, read by `patches/tail_replay_batch.py` /
+`tail_replay_attention.py`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from sglang_ext.tail_replay import own_tail
-from sglang_ext.tail_replay.config import BACKEND_NAME, REQUEST_PARAM_KEY, TailReplayConfig, with_overrides
+from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, request_overrides, server_config
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
+from sglang_ext.tail_replay.request import TailReplayRequest, attach, plan_of, record_of
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, TreeComponent
@@ -34,15 +36,17 @@ if TYPE_CHECKING:
 __all__ = ["BACKEND_NAME", "TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_cache_factory"]
 
 
-def request_plan(req) -> Optional[ReplayPlan]:
-    return getattr(req, "tail_replay", None)
-
-
-def request_config(base: TailReplayConfig, req) -> TailReplayConfig:
+def request_config(base: TailReplayConfig, req: Any) -> TailReplayConfig:
     """The server's config with the request's `custom_params["tail_replay"]` overrides
-    (validated when the request arrived, see patches/tail_replay_request.py)."""
-    custom = getattr(req.sampling_params, "custom_params", None) or {}
-    return with_overrides(base, custom.get(REQUEST_PARAM_KEY))
+    (validated when the request arrived, see patches/tail_replay_request.py). Resolved once per
+    request: `record_for` keeps the result on the request's record."""
+    return request_overrides(base, getattr(req.sampling_params, "custom_params", None))
+
+
+def record_for(base: TailReplayConfig, req: Any) -> TailReplayRequest:
+    """The request's record; created, with its config resolved, on first use."""
+    record = record_of(req)
+    return record if record is not None else attach(req, request_config(base, req))
 
 
 class TailReplayMambaComponent(MambaComponent):
@@ -70,7 +74,7 @@ class TailReplayMambaComponent(MambaComponent):
         return result._replace(mamba_branching_seqlen=None)
 
     def finalize_match_result_in_cache(self, params, result):
-        plan = request_plan(params.req) if params.req is not None else None
+        plan = plan_of(params.req) if params.req is not None else None
         if plan is None or plan.kind is HitKind.EXACT_CHECKPOINT:
             return super().finalize_match_result_in_cache(params, result)
         if params.cow_mamba and params.req.kv.holds_mamba:
@@ -81,14 +85,15 @@ class TailReplayMambaComponent(MambaComponent):
     def _stores_state(self, req, token_ids_len: int) -> bool:
         """Only exact states, and only where the tree can hold them: without the extra buffer
         the state is the sequence-end state, and the key is cut to whole pages on insert."""
-        plan = request_plan(req)
-        exact = plan is None or plan.state_is_exact
+        record = record_for(self.config, req)
+        exact = record.plan is None or record.plan.state_is_exact
         lands_on_its_depth = self.cache.enable_mamba_extra_buffer or token_ids_len % self.cache.page_size == 0
-        return request_config(self.config, req).keep_checkpoints and exact and lands_on_its_depth
+        return record.config.keep_checkpoints and exact and lands_on_its_depth
 
     def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-        req.tail_replay_state_withheld = not self._stores_state(req, token_ids_len)
-        if not req.tail_replay_state_withheld:
+        withheld = not self._stores_state(req, token_ids_len)
+        record_for(self.config, req).state_withheld = withheld
+        if not withheld:
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
         insert_params.mamba_value = None   # the attention KV is still inserted in full
         return token_ids_len
@@ -131,8 +136,10 @@ class TailReplayMambaComponent(MambaComponent):
         return None
 
     def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
-        withheld = getattr(req, "tail_replay_state_withheld", False)
-        req.tail_replay_state_withheld = False
+        record = record_of(req)
+        withheld = record is not None and record.state_withheld
+        if record is not None:
+            record.state_withheld = False
         if withheld and is_finished:
             self.cache.req_to_token_pool.free_mamba_cache(req)   # the request's state dies with it
             return
@@ -163,12 +170,13 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return None, None
 
     def _apply_replay_plan(self, req, result: "MatchResult") -> "MatchResult":
-        config = request_config(self.tail_replay_config, req)
+        record = record_for(self.tail_replay_config, req)
+        config = record.config
         ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
         plan = plan_replay(result.device_prefix_len, ckpt_len or None, self.page_size, config)
-        req.tail_replay = plan
-        req.tail_replay_kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
-        own_tail.begin(req, plan, config.kv_mode)   # recompute: the request keeps its tail KV
+        record.plan = plan
+        record.kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
+        own_tail.begin(record, plan, config.kv_mode)   # recompute: the request keeps its tail KV
         if plan.kind is HitKind.EXACT_CHECKPOINT:
             return result._replace(device_prefix_len=plan.prefix_len, last_device_node=ckpt_id,
                                    last_host_node=ckpt_id, best_match_node=ckpt_id)
@@ -202,14 +210,14 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return torch.cat(chunks[::-1])[plan.prefix_len - depth:].clone()
 
 
-def tail_replay_cache_factory(ctx):
+def tail_replay_cache_factory(ctx: Any) -> UnifiedRadixCache:
     """`--radix-cache-backend tail_replay`: SGLang calls this once per scheduler at start-up."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
-    from sglang_ext.env import read_tail_replay_config
+    from sglang_ext.tail_replay.startup import check_scheduler_start
 
-    config = read_tail_replay_config()
-    from sglang_ext.tail_replay.startup import check_scheduler_start; check_scheduler_start(ctx, config)  # noqa: E702
+    config = server_config()
+    check_scheduler_start(ctx, config)
     if not ctx.is_hybrid_ssm:
         raise ValueError("--radix-cache-backend tail_replay needs a hybrid model with linear-attention "
                          "or SSM layers (GDN, Mamba-2); this model has none")
