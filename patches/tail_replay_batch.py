@@ -63,7 +63,7 @@ def _record_first_forward(reqs: Sequence[Any]) -> None:
             record_first_forward(record)
 
 
-def _wrap_init_new(original):
+def _wrap_init_new(original: classmethod) -> classmethod:
     @functools.wraps(original)
     def init_new(cls, batch, model_runner, **kwargs):
         fb = original.__func__(cls, batch, model_runner, **kwargs)
@@ -79,12 +79,12 @@ def _wrap_init_new(original):
     return classmethod(init_new)
 
 
-def _batch_keys(forward_batch) -> list:
+def _batch_keys(forward_batch: Any) -> list:
     keys = (getattr(forward_batch, "extend_seq_lens_cpu", None), getattr(forward_batch, "extend_seq_lens", None))
     return [key for key in keys if key is not None]
 
 
-def _remember(keys, rows, slots, kv_pool) -> None:
+def _remember(keys: list, rows: torch.Tensor, slots: torch.Tensor, kv_pool: Any) -> None:
     for key in keys:
         _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool)
     while len(_TAIL_BY_BATCH) > 2 * _MAX_BATCHES_IN_FLIGHT:

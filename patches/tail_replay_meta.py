@@ -10,11 +10,12 @@ SchedulerOutputStreamer.get_cached_tokens_details`.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 TARGET = "srt/managers/scheduler_components/output_streamer.py: get_cached_tokens_details"
 
 
-def _wrap_cached_tokens_details(original):
+def _wrap_cached_tokens_details(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_cached_tokens_details(self, req):
         details = original(self, req)

@@ -8,16 +8,21 @@ request gets an error event), anything else with 500.
 
 Fields read by the extension: `sampling_params.custom_params` (must be a JSON object) and its
 `"tail_replay"` entry (an object of known config keys with valid values; see
-`tail_replay.config.request_overrides`), plus the server's refusals decided at start-up
-(`tail_replay.startup.request_limits`: `keep_checkpoints: true` on a server without checkpoints,
+`sglang_ext.tail_replay.request_overrides`), plus the server's refusals decided at start-up
+(`sglang_ext.tail_replay.request_limits`: `keep_checkpoints: true` on a server without checkpoints,
 `kv_mode: "exact"` on a quantized KV cache). Servers not running `--radix-cache-backend
 tail_replay` are left to SGLang's own checks. (`input_ids` are checked by `request_token_ids`.)
+
+This is the check only: the config it resolves is dropped here, because SGLang sends the request to
+the scheduler as msgspec data (`SamplingParams` is a `msgspec.Struct`), which carries no Python
+object of ours. The scheduler resolves the request's config once more, at its first prefix match,
+and keeps it on the request's record (`sglang_ext.tail_replay.TailReplayRequest.config`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from sglang_ext.tail_replay import RequestLimits, TailReplayConfig
@@ -46,7 +51,7 @@ def _limits_for(radix_cache_backend: str | None,
     return config, request_limits(config, ServerFacts(kv_cache_dtype=kv_cache_dtype))
 
 
-def _wrap_verify(original):
+def _wrap_verify(original: Callable) -> Callable:
     @functools.wraps(original)
     def verify(self, *args, **kwargs):
         original(self, *args, **kwargs)

@@ -20,6 +20,7 @@ lazy variant is sized for the second slot it takes at a boundary. Ratio: 1 (`no_
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 TARGET = "srt/mem_cache/kv_cache_configurator.py: KVCacheConfigurator._calculate_mamba_ratio"
 
@@ -40,7 +41,7 @@ def tree_holds_no_states() -> bool:
     return get_memory().radix_cache_backend == BACKEND_NAME and not server_config().keep_checkpoints
 
 
-def _wrap(original):
+def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def _calculate_mamba_ratio(self) -> int:
         if not tree_holds_no_states():

@@ -40,7 +40,7 @@ def register() -> None:
     HookRegistry.register(RESOLVE_TARGET, before_resolve, HookType.BEFORE)
 
 
-def before_resolve(server_args, *args, **kwargs):
+def before_resolve(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE hook on `ServerArgs.resolve_once` (main process, plain-SGLang launch)."""
     if read_env().patch_mode is None and selects_tail_replay(server_args):
         try:

@@ -15,7 +15,7 @@ the tree's KV slots of the replayed tail, read by `patches/tail_replay_batch.py`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -66,7 +66,7 @@ class TailReplayMambaComponent(MambaComponent):
     def config(self) -> TailReplayConfig:
         return self.cache.tail_replay_config
 
-    def create_match_validator(self, match_device_only: bool = False):
+    def create_match_validator(self, match_device_only: bool = False) -> Callable[[Any], bool]:
         return lambda node: True
 
     def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
@@ -82,7 +82,7 @@ class TailReplayMambaComponent(MambaComponent):
             params.req.kv.mamba_needs_clear = True   # replay starts from the zero state
         return result
 
-    def _stores_state(self, req, token_ids_len: int) -> bool:
+    def _stores_state(self, req: Any, token_ids_len: int) -> bool:
         """Only exact states, and only where the tree can hold them: without the extra buffer
         the state is the sequence-end state, and the key is cut to whole pages on insert."""
         record = record_for(self.config, req)
@@ -90,7 +90,7 @@ class TailReplayMambaComponent(MambaComponent):
         lands_on_its_depth = self.cache.enable_mamba_extra_buffer or token_ids_len % self.cache.page_size == 0
         return record.config.keep_checkpoints and exact and lands_on_its_depth
 
-    def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
+    def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> int:
         withheld = not self._stores_state(req, token_ids_len)
         record_for(self.config, req).state_withheld = withheld
         if not withheld:
@@ -135,7 +135,8 @@ class TailReplayMambaComponent(MambaComponent):
             self._evict_device_cursor = lru.cursor_next()
         return None
 
-    def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
+    def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
+                                  insert_params: Any = None) -> None:
         record = record_of(req)
         withheld = record is not None and record.state_withheld
         if record is not None:
@@ -169,7 +170,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
             depth -= len(n.key)
         return None, None
 
-    def _apply_replay_plan(self, req, result: "MatchResult") -> "MatchResult":
+    def _apply_replay_plan(self, req: Any, result: "MatchResult") -> "MatchResult":
         record = record_for(self.tail_replay_config, req)
         config = record.config
         ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
@@ -187,18 +188,18 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return result._replace(device_prefix_len=plan.prefix_len)
 
     # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py)
-    def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
+    def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         with own_tail.claiming(self, req):
             super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
 
     def insert(self, params):
         return own_tail.insert(self, params, super().insert)
 
-    def on_release(self, req, *, checkpointed: bool) -> None:
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
         own_tail.release(self, req)
         super().on_release(req, checkpointed=checkpointed)
 
-    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id):
+    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id: Any) -> Optional[torch.Tensor]:
         """The tree's KV slots of [prefix_len, L), read off the matched path bottom-up (O(W))."""
         if config.kv_mode != "exact" or not plan.reuses_tail_kv:
             return None
