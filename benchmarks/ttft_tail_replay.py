@@ -52,10 +52,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.flops import PrefillCost, cost_of_checkpoint  # noqa: E402
+from eval.harness import ServerProcess, servers_running  # noqa: E402
 from sglang_ext.env import THREAD_VARS  # noqa: E402
 from sglang_ext.tail_replay import DEFAULTS, parse_config, replay_window, with_overrides  # noqa: E402
-from eval.harness import ServerProcess, servers_running  # noqa: E402
-
 
 TOKEN_LO, TOKEN_HI = 10, 500          # random prompt ids (the tiny model's vocabulary is 512)
 SERVER_BUDGET = DEFAULTS.budget      # the server's config: Tail-Replay's default budget

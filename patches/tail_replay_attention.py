@@ -28,7 +28,8 @@ allocated KV slots receive exact copies (freed as duplicates on insert).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def substitute_cached_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, rows: tor
     v[rows] = v_cached.view(-1, *v.shape[1:]).to(v.dtype)
 
 
-def substitute_for_batch(layer: Any, k: Optional[torch.Tensor], v: Optional[torch.Tensor], forward_batch: Any,
+def substitute_for_batch(layer: Any, k: torch.Tensor | None, v: torch.Tensor | None, forward_batch: Any,
                          kwargs: dict) -> bool:
     """Substitute the tail rows of this extend batch (or a copy of it) into k / v in place.
     Returns whether anything was substituted. MLA-style calls (`k_rope`) are left alone."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -32,14 +33,14 @@ Tail = tuple[torch.Tensor, torch.Tensor, Any]
 
 #: tail rows/slots of recent extend batches, keyed by id() of the batch's `extend_seq_lens_cpu`
 #: list and `extend_seq_lens` tensor (see the module docstring); each entry holds its key object.
-_TAIL_BY_BATCH: "OrderedDict[int, tuple]" = OrderedDict()
+_TAIL_BY_BATCH: OrderedDict[int, tuple] = OrderedDict()
 _MAX_BATCHES_IN_FLIGHT = 8
 
 TARGET = "srt/model_executor/forward_batch_info.py: ForwardBatch.init_new"
 
 
 def _tail_rows_and_slots(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens: Sequence[int]
-                         ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Rows of the packed extend batch inside a replayed tail, and the tree slots for them."""
     rows, slots, offset = [], [], 0
     for req, prefix, extend in zip(reqs, prefix_lens, extend_lens):
@@ -91,7 +92,7 @@ def _remember(keys: list, rows: torch.Tensor, slots: torch.Tensor, kv_pool: Any)
         _TAIL_BY_BATCH.popitem(last=False)
 
 
-def tail_of(forward_batch: Any) -> Optional[Tail]:
+def tail_of(forward_batch: Any) -> Tail | None:
     """(rows, slots, kv pool) of the replayed tails in this forward batch (or a copy of it), or None."""
     for key in _batch_keys(forward_batch):
         entry = _TAIL_BY_BATCH.get(id(key))

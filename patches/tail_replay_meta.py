@@ -10,7 +10,7 @@ SchedulerOutputStreamer.get_cached_tokens_details`.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 TARGET = "srt/managers/scheduler_components/output_streamer.py: get_cached_tokens_details"
 

@@ -11,7 +11,7 @@ reuses page-aligned prefixes without any state, so under it the check is relaxed
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 TARGET = "srt/arg_groups/mamba_hook.py: validate_mamba_no_buffer"
 

@@ -13,7 +13,7 @@ Batches without such a tail are untouched.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 from patches.tail_replay_batch import tail_of
 

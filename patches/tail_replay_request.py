@@ -22,7 +22,8 @@ and keeps it on the request's record (`sglang_ext.tail_replay.TailReplayRequest.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from sglang_ext.tail_replay import RequestLimits, TailReplayConfig
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 TARGET = "srt/sampling/sampling_params.py: SamplingParams.verify"
 
 
-def _server_limits() -> "tuple[TailReplayConfig, RequestLimits] | None":
+def _server_limits() -> tuple[TailReplayConfig, RequestLimits] | None:
     """(config, RequestLimits) of this server, or None when it does not run Tail-Replay, from
     the server args SGLang published in this process and the config (parsed once)."""
     from sglang.srt.runtime_context import get_server_args
@@ -42,7 +43,7 @@ def _server_limits() -> "tuple[TailReplayConfig, RequestLimits] | None":
 
 @functools.lru_cache(maxsize=4)
 def _limits_for(radix_cache_backend: str | None,
-                kv_cache_dtype: str) -> "tuple[TailReplayConfig, RequestLimits] | None":
+                kv_cache_dtype: str) -> tuple[TailReplayConfig, RequestLimits] | None:
     from sglang_ext.tail_replay import BACKEND_NAME, ServerFacts, request_limits, server_config
 
     if radix_cache_backend != BACKEND_NAME:

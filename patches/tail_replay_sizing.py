@@ -20,7 +20,7 @@ lazy variant is sized for the second slot it takes at a boundary. Ratio: 1 (`no_
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 TARGET = "srt/mem_cache/kv_cache_configurator.py: KVCacheConfigurator._calculate_mamba_ratio"
 

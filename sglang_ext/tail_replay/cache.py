@@ -15,20 +15,20 @@ the tree's KV slots of the replayed tail, read by `patches/tail_replay_batch.py`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-
-from sglang_ext.tail_replay import own_tail
-from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, request_overrides, server_config
-from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
-from sglang_ext.tail_replay.request import TailReplayRequest, attach, plan_of, record_of
-
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, TreeComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_exec, mamba_cache_chunk_size, mamba_checkpoint_grid
+
+from sglang_ext.tail_replay import own_tail
+from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, request_overrides, server_config
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
+from sglang_ext.tail_replay.request import TailReplayRequest, attach, plan_of, record_of
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
@@ -150,12 +150,12 @@ class TailReplayMambaComponent(MambaComponent):
 class TailReplayRadixCache(UnifiedRadixCache):
     tail_replay_config: TailReplayConfig = TailReplayConfig()
 
-    def _finalize_match_result(self, params: "MatchPrefixParams", result: "MatchResult") -> "MatchResult":
+    def _finalize_match_result(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
         if params.req is not None:
             result = self._apply_replay_plan(params.req, result)
         return super()._finalize_match_result(params, result)
 
-    def _deepest_state_on_path(self, node_id) -> tuple[Optional[int], Optional[int]]:
+    def _deepest_state_on_path(self, node_id) -> tuple[int | None, int | None]:
         """(node id, depth in tokens) of the deepest node on the path holding a device state."""
         core = self.tree_core
         node, root = core.node_by_id(node_id), core.root_node
@@ -170,7 +170,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
             depth -= len(n.key)
         return None, None
 
-    def _apply_replay_plan(self, req: Any, result: "MatchResult") -> "MatchResult":
+    def _apply_replay_plan(self, req: Any, result: MatchResult) -> MatchResult:
         record = record_for(self.tail_replay_config, req)
         config = record.config
         ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
@@ -199,7 +199,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
         own_tail.release(self, req)
         super().on_release(req, checkpointed=checkpointed)
 
-    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id: Any) -> Optional[torch.Tensor]:
+    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id: Any) -> torch.Tensor | None:
         """The tree's KV slots of [prefix_len, L), read off the matched path bottom-up (O(W))."""
         if config.kv_mode != "exact" or not plan.reuses_tail_kv:
             return None

@@ -58,8 +58,8 @@ class TailReplayConfig:
         _check(self.kv_mode in KV_MODES, "kv_mode", f"must be one of {KV_MODES}, got {self.kv_mode!r}")
 
 
-_TYPES = {"budget": (int, float), "min_replay_tokens": int, "max_replay_tokens": int,
-          "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str}
+_TYPES: dict[str, type | tuple[type, ...]] = {"budget": (int, float), "min_replay_tokens": int, "max_replay_tokens": int,
+                                               "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str}
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -69,6 +69,7 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 #: the defaults (what a server without `--tail-replay-config` runs with)
 DEFAULTS = TailReplayConfig()
+
 
 def _check_fields(raw: dict) -> None:
     known = {f.name for f in fields(TailReplayConfig)}

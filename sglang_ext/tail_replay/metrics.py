@@ -15,7 +15,6 @@ import functools
 from sglang_ext.tail_replay.planner import ReplayPlan
 from sglang_ext.tail_replay.request import TailReplayRequest
 
-
 #: key of the per-request summary in `meta_info["cached_tokens_details"]`
 META_KEY = "tail_replay"
 

@@ -31,8 +31,9 @@ Hooks (in `TailReplayRadixCache`, sglang_ext/tail_replay/cache.py): `begin` at m
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ from sglang_ext.tail_replay.request import TailReplayRequest, record_of
 _CLAIMING = "_tail_replay_claiming_req"
 
 
-def own_tail_end(plan: Optional[ReplayPlan], kv_mode: str) -> Optional[int]:
+def own_tail_end(plan: ReplayPlan | None, kv_mode: str) -> int | None:
     """L when the request keeps its own recomputed KV for [prefix_len, L), else None (pure)."""
     if kv_mode == "recompute" and plan is not None and plan.reuses_tail_kv:
         return plan.matched_tokens
@@ -100,7 +101,7 @@ def insert(cache: Any, params: Any, insert_fn: Callable[[Any], Any]) -> Any:
     return result
 
 
-def own_slots(req: Any) -> Optional[torch.Tensor]:
+def own_slots(req: Any) -> torch.Tensor | None:
     """The KV slots the request holds for its recomputed tail (None if none)."""
     record = record_of(req)
     own = None if record is None else record.own_kv

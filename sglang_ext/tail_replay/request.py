@@ -16,7 +16,7 @@ Life of a record (scheduler process):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.planner import ReplayPlan
@@ -35,21 +35,21 @@ class TailReplayRequest:
     #: the request's config: the server's, with its `custom_params["tail_replay"]` overrides
     config: TailReplayConfig
     #: how its prefix hit is reused (set at match; None before the first match)
-    plan: Optional[ReplayPlan] = None
+    plan: ReplayPlan | None = None
     #: exact KV mode: the tree's KV slots of the replayed tail [plan.prefix_len, plan.matched_tokens)
-    kv_slots: Optional["torch.Tensor"] = None
+    kv_slots: torch.Tensor | None = None
     #: whether the plan went into the metrics already (once per request, at its first forward)
     recorded: bool = False
     #: set by `prepare_for_caching_req`, read and reset by `cleanup_after_caching_req`: the
     #: request's state was kept out of the tree
     state_withheld: bool = False
     #: kv_mode "recompute": up to where the request's tail KV is its own (L), else None
-    own_end: Optional[int] = None
+    own_end: int | None = None
     #: kv_mode "recompute": (first position, KV slots) the request holds as its own tail
-    own_kv: Optional[tuple[int, "torch.Tensor"]] = None
+    own_kv: tuple[int, torch.Tensor] | None = None
 
 
-def record_of(req: Any) -> Optional[TailReplayRequest]:
+def record_of(req: Any) -> TailReplayRequest | None:
     """The request's record, or None (a request Tail-Replay has not matched, or any request of a
     server without the backend)."""
     return getattr(req, RECORD_ATTR, None)
@@ -65,7 +65,7 @@ def attach(req: Any, config: TailReplayConfig) -> TailReplayRequest:
     return record
 
 
-def plan_of(req: Any) -> Optional[ReplayPlan]:
+def plan_of(req: Any) -> ReplayPlan | None:
     """The request's plan, or None."""
     record = record_of(req)
     return None if record is None else record.plan

@@ -27,8 +27,8 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
     breakable_cuda_graph as bcg,
 )
 from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (  # noqa: E402
-    enable_breakable_cuda_graph,
     eager_on_graph,
+    enable_breakable_cuda_graph,
 )
 from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch  # noqa: E402
 from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope  # noqa: E402

@@ -10,7 +10,6 @@ does the recurrent-state allocator, so the tests assert exact slot ids.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -26,19 +25,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.allocation import ensure_mamba_capacity  # noqa: E402
-from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
-from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache  # noqa: E402
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
 from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
+from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
 MAMBA = ComponentType.MAMBA
 FULL = ComponentType.FULL

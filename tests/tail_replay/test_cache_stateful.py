@@ -47,7 +47,6 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
-from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 from sglang_ext.tail_replay.cache import (  # noqa: E402
     TailReplayMambaComponent,
     TailReplayRadixCache,
@@ -56,6 +55,7 @@ from sglang_ext.tail_replay.cache import (  # noqa: E402
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind  # noqa: E402
 from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
+from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
 KV_SIZE = 160

@@ -11,10 +11,8 @@ import pytest
 from sglang_ext import env
 from sglang_ext.tail_replay import config as config_module
 from sglang_ext.tail_replay import server_config
-from sglang_ext.tail_replay.config import (RequestLimits, TailReplayConfig, TailReplayConfigError,
-                                           request_overrides)
-from sglang_ext.tail_replay.startup import (ServerFacts, StartupError, check_scheduler_start, check_start,
-                                            kv_cache_is_quantized, request_limits, summary_line)
+from sglang_ext.tail_replay.config import RequestLimits, TailReplayConfig, TailReplayConfigError, request_overrides
+from sglang_ext.tail_replay.startup import ServerFacts, StartupError, check_scheduler_start, check_start, kv_cache_is_quantized, request_limits, summary_line
 
 BASE = TailReplayConfig()
 NO_CKPT = TailReplayConfig(keep_checkpoints=False)
