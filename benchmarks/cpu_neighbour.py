@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from eval.harness import ServerProcess, servers_running  # noqa: E402
 from sglang_ext.env import CPU_THREADS_VAR, THREAD_VARS  # noqa: E402
 from sglang_ext.launcher import cpu_thread_env  # noqa: E402
+from sglang_ext.tail_replay import DEFAULTS  # noqa: E402
 
 TOKEN_LO, TOKEN_HI = 10, 500           # random prompt ids (the tiny model's vocabulary is 512)
 #: this script's own thread settings, never passed to the servers
@@ -292,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--neighbours", type=int, default=2, help="busy jobs in the 'neighbours' phase")
     ap.add_argument("--neighbour-kind", choices=sorted(NEIGHBOURS), default="spin")
     ap.add_argument("--neighbour-max-s", type=int, default=900, help="each busy job ends after this anyway")
-    ap.add_argument("--budget", type=float, default=0.05, help="Tail-Replay budget of the servers")
+    ap.add_argument("--budget", type=float, default=DEFAULTS.budget,
+                    help="Tail-Replay budget of the servers (default: Tail-Replay's default)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VAL,...",
                     help="another server variant (env overrides), e.g. 'two:SGLANG_EXT_CPU_THREADS=2'")
     ap.add_argument("--seed", type=int, default=0)

@@ -23,7 +23,7 @@ Medians over repetitions, speedups vs (a), and two ceilings, W the matched token
 recomputes (L - cached for stock): the linear-cost one (L + n) / (W + n), and the attention-aware
 FLOP ceiling of `benchmarks/flops.py` for the served checkpoint's shape (full prefill of L + n
 tokens vs W + n tokens attending to the whole cached context), printed as a markdown table.
-The replay window comes from `sglang_ext.tail_replay.planner.replay_window` (the server's own).
+The replay window comes from `sglang_ext.tail_replay.replay_window` (the server's own planner).
 
 Machine load is sampled at the start (and recorded at the end); on a busy machine the script
 stops unless `--allow-busy` is given.
@@ -52,14 +52,12 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.flops import PrefillCost, cost_of_checkpoint  # noqa: E402
-from sglang_ext.env import THREAD_VARS  # noqa: E402
-from sglang_ext.tail_replay.config import parse_config, with_overrides  # noqa: E402
-from sglang_ext.tail_replay.planner import replay_window  # noqa: E402
 from eval.harness import ServerProcess, servers_running  # noqa: E402
-
+from sglang_ext.env import THREAD_VARS  # noqa: E402
+from sglang_ext.tail_replay import DEFAULTS, parse_config, replay_window, with_overrides  # noqa: E402
 
 TOKEN_LO, TOKEN_HI = 10, 500          # random prompt ids (the tiny model's vocabulary is 512)
-SERVER_BUDGET = 0.05
+SERVER_BUDGET = DEFAULTS.budget      # the server's config: Tail-Replay's default budget
 CONFIGS = ("full_prefill", "full_prefill_tr_server", "stock_cache", "tail_replay_5", "tail_replay_10")
 LABELS = {
     "full_prefill": "(a) full prefill (never-seen prompt)",

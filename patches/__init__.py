@@ -9,8 +9,17 @@ Each module in this package patches one SGLang seam and names the file it target
 - mode "gpu": only the extension's own seams and the request check (`request_token_ids`);
   SGLang's fast paths stay untouched.
 
-Applying a module twice is a no-op. Spawned SGLang children re-apply via `sglang_ext.env`'s
-`SGLANG_EXT_PATCH_MODE` (see `sglang_ext.bootstrap`).
+The extension's own seams (`EXT_PATCHES`) are Tail-Replay's, one SGLang function each; they reach
+the wing only through its public face, `sglang_ext.tail_replay` (whose docstring walks a
+request through them): `tail_replay_request` (request check on arrival), `tail_replay_sizing` and
+`tail_replay_pages` (start-up: state-pool size, pages > 1), `tail_replay_batch` (tail rows per
+forward batch, metrics), `tail_replay_attention` and `tail_replay_prefill_graph` (exact cached K/V
+for the tail), `tail_replay_meta` (the per-request summary in meta_info).
+
+Applying a module twice is a no-op. Spawned SGLang children re-apply from `sglang_ext.env`'s
+`SGLANG_EXT_PATCH_MODE`: under the launcher through `sglang_ext.spawn_main` (imported by every
+spawned child before it imports SGLang), under a plain SGLang launch through the plugin
+(`sglang_ext.plugin.register`).
 """
 
 from __future__ import annotations

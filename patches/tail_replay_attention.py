@@ -28,6 +28,10 @@ allocated KV slots receive exact copies (freed as duplicates on insert).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from patches.tail_replay_batch import tail_of
 
@@ -38,7 +42,8 @@ TARGET = ("srt/layers/radix_attention.py: RadixAttention._eager_attention (@eage
 MARK = "_sglang_ext_exact_kv"
 
 
-def substitute_cached_kv(layer, k, v, rows, slots, pool) -> None:
+def substitute_cached_kv(layer: Any, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                         slots: torch.Tensor, pool: Any) -> None:
     """k, v: [tokens, heads, dim] (post-RoPE); overwrite the tail rows with the pool's values."""
     k_cached = pool.get_key_buffer(layer.layer_id)[slots]
     v_cached = pool.get_value_buffer(layer.layer_id)[slots]
@@ -49,7 +54,8 @@ def substitute_cached_kv(layer, k, v, rows, slots, pool) -> None:
     v[rows] = v_cached.view(-1, *v.shape[1:]).to(v.dtype)
 
 
-def substitute_for_batch(layer, k, v, forward_batch, kwargs) -> bool:
+def substitute_for_batch(layer: Any, k: torch.Tensor | None, v: torch.Tensor | None, forward_batch: Any,
+                         kwargs: dict) -> bool:
     """Substitute the tail rows of this extend batch (or a copy of it) into k / v in place.
     Returns whether anything was substituted. MLA-style calls (`k_rope`) are left alone."""
     if k is None or v is None or "k_rope" in kwargs or not forward_batch.forward_mode.is_extend():
@@ -63,7 +69,7 @@ def substitute_for_batch(layer, k, v, forward_batch, kwargs) -> bool:
     return True
 
 
-def _wrap_attention_forward(original):
+def _wrap_attention_forward(original: Callable) -> Callable:
     from sglang.srt.model_executor.runner_utils.prefill_graph import is_in_prefill_graph_scope
 
     @functools.wraps(original)
@@ -75,7 +81,7 @@ def _wrap_attention_forward(original):
     return forward
 
 
-def substituting_eager_body(body):
+def substituting_eager_body(body: Callable) -> Callable:
     """The `_eager_attention` body with the substitution first; to be decorated `@eager_on_graph`."""
     from sglang.srt.model_executor.runner_utils.forward_batch import get_forward_batch
 
@@ -88,7 +94,7 @@ def substituting_eager_body(body):
     return _eager_attention
 
 
-def eager_body(attr):
+def eager_body(attr: Any) -> Callable:
     """The undecorated body of an `@eager_on_graph` attribute (what replay calls)."""
     return attr.__wrapped__
 

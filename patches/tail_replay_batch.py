@@ -2,35 +2,50 @@
 
 Target (SGLang 0.5.23): `srt/model_executor/forward_batch_info.py::ForwardBatch.init_new`. Per
 extend forward, the rows of the packed batch that belong to a request's replayed tail
-[prefix_len, L), and the tree's KV slots for them (`req.tail_replay_kv_slots`, set by the
-tail_replay cache at match), are kept in a small registry keyed by objects that the runners'
-copies of the batch share; `patches/tail_replay_attention.py` reads them. Also records each
-request's Tail-Replay plan in the metrics at its first forward.
-Requests without a Tail-Replay decision are untouched.
+[prefix_len, L), and the tree's KV slots for them (the record's `kv_slots`, set by the
+tail_replay cache at match; `sglang_ext.tail_replay.record_of`), are kept in a small registry;
+`patches/tail_replay_attention.py` and `tail_replay_prefill_graph.py` read them (`tail_of`).
+Also records each request's Tail-Replay plan in the metrics at its first forward.
+Requests without a Tail-Replay record are untouched.
+
+Why a registry and not the request record or the batch: the rows are positions in one packed
+batch of several requests (not a property of any one request), and the model runs on copies of
+the ForwardBatch: `dataclasses.replace` in SGLang's eager runner drops every attribute set on the
+original, and the prefill graph runner's padded view (`copy.copy`) swaps `extend_seq_lens` for a
+static buffer. The copies share the batch's `extend_seq_lens_cpu` list or its `extend_seq_lens`
+tensor (a list takes no attribute), so the registry is keyed by the id() of both and holds them,
+so their ids are not reused while an entry lives; it keeps the entries of the last few batches.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from sglang_ext.tail_replay import record_first_forward, record_of
+
+#: (rows, slots, kv pool) of a batch's replayed tails
+Tail = tuple[torch.Tensor, torch.Tensor, Any]
+
 #: tail rows/slots of recent extend batches, keyed by id() of the batch's `extend_seq_lens_cpu`
-#: list and `extend_seq_lens` tensor. SGLang's model runners run the model on copies of the
-#: ForwardBatch (dataclass replace / copy.copy), which drop attributes set on the original but
-#: share those objects; the registry keeps them alive, so their ids are not reused meanwhile.
-_TAIL_BY_BATCH: "OrderedDict[int, tuple]" = OrderedDict()
+#: list and `extend_seq_lens` tensor (see the module docstring); each entry holds its key object.
+_TAIL_BY_BATCH: OrderedDict[int, tuple] = OrderedDict()
 _MAX_BATCHES_IN_FLIGHT = 8
 
 TARGET = "srt/model_executor/forward_batch_info.py: ForwardBatch.init_new"
 
 
-def _tail_rows_and_slots(reqs, prefix_lens, extend_lens):
+def _tail_rows_and_slots(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens: Sequence[int]
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Rows of the packed extend batch inside a replayed tail, and the tree slots for them."""
     rows, slots, offset = [], [], 0
     for req, prefix, extend in zip(reqs, prefix_lens, extend_lens):
-        plan, tail_slots = getattr(req, "tail_replay", None), getattr(req, "tail_replay_kv_slots", None)
+        record = record_of(req)
+        plan, tail_slots = (None, None) if record is None else (record.plan, record.kv_slots)
         if tail_slots is not None and plan is not None:
             lo, hi = max(prefix, plan.replay_start), min(prefix + extend, plan.matched_tokens)
             if hi > lo:
@@ -42,17 +57,14 @@ def _tail_rows_and_slots(reqs, prefix_lens, extend_lens):
     return torch.cat(rows), torch.cat(slots)
 
 
-def _record_first_forward(reqs) -> None:
-    from sglang_ext.tail_replay.metrics import record_plan
-
+def _record_first_forward(reqs: Sequence[Any]) -> None:
     for req in reqs:
-        plan = getattr(req, "tail_replay", None)
-        if plan is not None and not getattr(req, "tail_replay_recorded", False):
-            req.tail_replay_recorded = True
-            record_plan(plan)
+        record = record_of(req)
+        if record is not None:
+            record_first_forward(record)
 
 
-def _wrap_init_new(original):
+def _wrap_init_new(original: classmethod) -> classmethod:
     @functools.wraps(original)
     def init_new(cls, batch, model_runner, **kwargs):
         fb = original.__func__(cls, batch, model_runner, **kwargs)
@@ -68,19 +80,19 @@ def _wrap_init_new(original):
     return classmethod(init_new)
 
 
-def _batch_keys(forward_batch) -> list:
+def _batch_keys(forward_batch: Any) -> list:
     keys = (getattr(forward_batch, "extend_seq_lens_cpu", None), getattr(forward_batch, "extend_seq_lens", None))
     return [key for key in keys if key is not None]
 
 
-def _remember(keys, rows, slots, kv_pool) -> None:
+def _remember(keys: list, rows: torch.Tensor, slots: torch.Tensor, kv_pool: Any) -> None:
     for key in keys:
         _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool)
     while len(_TAIL_BY_BATCH) > 2 * _MAX_BATCHES_IN_FLIGHT:
         _TAIL_BY_BATCH.popitem(last=False)
 
 
-def tail_of(forward_batch):
+def tail_of(forward_batch: Any) -> Tail | None:
     """(rows, slots, kv pool) of the replayed tails in this forward batch (or a copy of it), or None."""
     for key in _batch_keys(forward_batch):
         entry = _TAIL_BY_BATCH.get(id(key))

@@ -1,5 +1,8 @@
 """Tail-Replay's per-request summary in `meta_info["cached_tokens_details"]["tail_replay"]`.
 
+Reads the request's Tail-Replay record (`sglang_ext.tail_replay.plan_of`); requests without one
+(no Tail-Replay match) keep SGLang's details unchanged.
+
 Target (SGLang 0.5.23): `srt/managers/scheduler_components/output_streamer.py::
 SchedulerOutputStreamer.get_cached_tokens_details`.
 """
@@ -7,20 +10,21 @@ SchedulerOutputStreamer.get_cached_tokens_details`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 TARGET = "srt/managers/scheduler_components/output_streamer.py: get_cached_tokens_details"
 
 
-def _wrap_cached_tokens_details(original):
+def _wrap_cached_tokens_details(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_cached_tokens_details(self, req):
         details = original(self, req)
-        plan = getattr(req, "tail_replay", None)
+        from sglang_ext.tail_replay import META_KEY, plan_of, plan_summary
+
+        plan = plan_of(req)
         if plan is None:
             return details
-        from sglang_ext.tail_replay.metrics import plan_summary
-
-        return {**(details or {"device": req.cached_tokens, "host": 0}), "tail_replay": plan_summary(plan)}
+        return {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: plan_summary(plan)}
 
     return get_cached_tokens_details
 

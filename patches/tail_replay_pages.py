@@ -11,14 +11,15 @@ reuses page-aligned prefixes without any state, so under it the check is relaxed
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 TARGET = "srt/arg_groups/mamba_hook.py: validate_mamba_no_buffer"
 
 
-def _wrap(original):
+def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def validate_mamba_no_buffer(view, model_arch: str):
-        from sglang_ext.tail_replay.config import BACKEND_NAME
+        from sglang_ext.tail_replay import BACKEND_NAME
 
         if getattr(view, "radix_cache_backend", None) != BACKEND_NAME or (view.page_size or 1) == 1:
             return original(view, model_arch)

@@ -13,13 +13,14 @@ Batches without such a tail are untouched.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from patches.tail_replay_batch import tail_of
 
 TARGET = "srt/model_executor/runner/prefill_cuda_graph_runner.py: PrefillCudaGraphRunner.can_run_graph"
 
 
-def _wrap_can_run_graph(original):
+def _wrap_can_run_graph(original: Callable) -> Callable:
     @functools.wraps(original)
     def can_run_graph(self, forward_batch) -> bool:
         if getattr(self, "_is_full_backend", False) and tail_of(forward_batch) is not None:

@@ -20,6 +20,7 @@ lazy variant is sized for the second slot it takes at a boundary. Ratio: 1 (`no_
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 TARGET = "srt/mem_cache/kv_cache_configurator.py: KVCacheConfigurator._calculate_mamba_ratio"
 
@@ -35,14 +36,12 @@ def state_slots_per_request(*, extra_buffer: bool, overlap: bool) -> int:
 def tree_holds_no_states() -> bool:
     from sglang.srt.runtime_context import get_memory
 
-    from sglang_ext.env import read_tail_replay_config
-    from sglang_ext.tail_replay.config import BACKEND_NAME
+    from sglang_ext.tail_replay import BACKEND_NAME, server_config
 
-    return (get_memory().radix_cache_backend == BACKEND_NAME
-            and not read_tail_replay_config().keep_checkpoints)
+    return get_memory().radix_cache_backend == BACKEND_NAME and not server_config().keep_checkpoints
 
 
-def _wrap(original):
+def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def _calculate_mamba_ratio(self) -> int:
         if not tree_holds_no_states():

@@ -6,7 +6,6 @@ to apply the runtime patches before SGLang is imported (processes are started wi
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -52,17 +51,10 @@ def read_env() -> ExtEnv:
     return ExtEnv(patch_mode=mode, allow_other_sglang=allow)
 
 
-def read_tail_replay_config():
-    """The server's Tail-Replay config from `SGLANG_EXT_TAIL_REPLAY_CONFIG`, parsed once per
-    process and value of the variable (requests call this: no JSON or file read per request)."""
-    return _parsed_tail_replay_config(os.environ.get(TAIL_REPLAY_CONFIG_VAR))
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed_tail_replay_config(text: str | None):
-    from sglang_ext.tail_replay.config import parse_config
-
-    return parse_config(text)
+def tail_replay_config_text() -> str | None:
+    """The raw value of `SGLANG_EXT_TAIL_REPLAY_CONFIG` (None when unset). Parsed, validated and
+    cached by `sglang_ext.tail_replay.config.server_config` (this module imports no wing)."""
+    return os.environ.get(TAIL_REPLAY_CONFIG_VAR)
 
 
 def export_tail_replay_config(text: str) -> None:

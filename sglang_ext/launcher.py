@@ -171,7 +171,7 @@ def _pop_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:
 
 def _export_tail_replay_config(text: str | None) -> None:
     """Validate here (a clear error before SGLang starts), then hand it to every process."""
-    from sglang_ext.tail_replay.config import TailReplayConfigError, parse_config
+    from sglang_ext.tail_replay import TailReplayConfigError, parse_config
 
     if text is None:
         return

@@ -22,6 +22,8 @@ imported `sgl_kernel`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sglang_ext.env import export_patch_mode, read_env
 
 #: the SGLang method hooked in the main process (its first argument is the ServerArgs)
@@ -41,7 +43,7 @@ def register() -> None:
     register_policy()   # `--radix-eviction-policy sae` parses; the seams come below when chosen
 
 
-def before_resolve(server_args, *args, **kwargs):
+def before_resolve(server_args: Any, *args: Any, **kwargs: Any) -> None:
     """BEFORE hook on `ServerArgs.resolve_once` (main process, plain-SGLang launch)."""
     if read_env().patch_mode is None and (selects_tail_replay(server_args) or selects_sae(server_args)):
         try:
@@ -58,25 +60,24 @@ def before_resolve(server_args, *args, **kwargs):
     return None
 
 
-def selects_tail_replay(server_args) -> bool:
-    from sglang_ext.tail_replay.config import BACKEND_NAME
+def selects_tail_replay(server_args: Any) -> bool:
+    from sglang_ext.tail_replay import BACKEND_NAME
 
     return getattr(server_args, "radix_cache_backend", None) == BACKEND_NAME
 
 
-def selects_sae(server_args) -> bool:
+def selects_sae(server_args: Any) -> bool:
     from sglang_ext.eviction.sglang_adapter import POLICY_NAME
 
     return getattr(server_args, "radix_eviction_policy", None) == POLICY_NAME
 
 
-def check_main_process(server_args) -> list[str]:
+def check_main_process(server_args: Any) -> list[str]:
     """Parse the server's Tail-Replay config and check it against the flags; raise ValueError
     (TailReplayConfigError / StartupError) naming the key or both flags; return the summary."""
-    from sglang_ext.env import read_tail_replay_config
-    from sglang_ext.tail_replay.startup import check_start, facts_from_server_args
+    from sglang_ext.tail_replay import check_start, facts_from_server_args, server_config
 
-    return check_start(read_tail_replay_config(), facts_from_server_args(server_args))
+    return check_start(server_config(), facts_from_server_args(server_args))
 
 
 def _apply(mode: str) -> None:
@@ -90,7 +91,7 @@ def register_cache_backends() -> None:
     """Make `--radix-cache-backend tail_replay` selectable (idempotent)."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
-    from sglang_ext.tail_replay.cache import BACKEND_NAME, tail_replay_cache_factory
+    from sglang_ext.tail_replay import BACKEND_NAME, tail_replay_cache_factory
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, tail_replay_cache_factory)

@@ -6,9 +6,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-STOCK, TAIL_REPLAY = "stock", "tail_replay"
+from sglang_ext.tail_replay import BACKEND_NAME, KV_MODES
+
+STOCK, TAIL_REPLAY = "stock", BACKEND_NAME
 BUDGETS = (0.025, 0.05, 0.1, 0.2)
-KV_MODES = ("exact", "recompute")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ of being reported as quality retained.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,7 @@ from tqdm import tqdm
 from eval.quality.configs import TAIL_REPLAY, EvalConfig
 from eval.quality.samples import EvalSample
 from eval.quality.servers import TAIL_REPLAY_SERVER_CONFIG, Client
-from sglang_ext.tail_replay.config import config_from_dict, with_overrides
-from sglang_ext.tail_replay.planner import plan_replay
+from sglang_ext.tail_replay import META_KEY, config_from_dict, plan_replay, replay_window, with_overrides
 
 Scorer = Callable[[EvalSample, str], float]
 
@@ -32,7 +30,7 @@ class ReuseCheckFailed(RuntimeError):
 
 def reuse_of(meta: dict) -> dict:
     """Tokens reused / replayed / matched for one response, from its meta_info."""
-    details = (meta.get("cached_tokens_details") or {}).get("tail_replay") or {}
+    details = (meta.get("cached_tokens_details") or {}).get(META_KEY) or {}
     return {"cached_tokens": int(meta.get("cached_tokens", 0)), "hit_kind": details.get("kind"),
             "matched_tokens": details.get("matched_tokens"), "replayed_tokens": details.get("replayed_tokens", 0)}
 
@@ -93,11 +91,14 @@ def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict, shared: Sha
     if matched is None or not shared.tokens - page < matched <= shared.tokens + 1:
         _fail(config, sample, f"matched {matched} tokens, not about the {shared.tokens} tokens shared with the "
               f"warm-up (page {page})", reuse)
-    plan = plan_replay(matched, None, page, with_overrides(config_from_dict(TAIL_REPLAY_SERVER_CONFIG), config.overrides))
+    row_config = with_overrides(config_from_dict(TAIL_REPLAY_SERVER_CONFIG), config.overrides)
+    plan = plan_replay(matched, None, page, row_config)
     if reuse["hit_kind"] != plan.kind.value:
         _fail(config, sample, f"hit kind {reuse['hit_kind']!r}, planned {plan.kind.value!r} for L={matched}", reuse)
-    if replayed > math.ceil(config.budget * matched) + page:
-        _fail(config, sample, f"replayed {replayed} > budget {config.budget} x L={matched} + one page ({page})", reuse)
+    window = replay_window(matched, row_config)
+    if replayed > window + page:
+        _fail(config, sample, f"replayed {replayed} > the replay window {window} (budget {config.budget} x "
+              f"L={matched}, clamped) + one page ({page})", reuse)
     if reuse["cached_tokens"] + replayed != matched:
         _fail(config, sample, f"reused {reuse['cached_tokens']} + replayed {replayed} != matched {matched}", reuse)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import requests
 
 from eval.quality.configs import TAIL_REPLAY
+from sglang_ext.tail_replay import BACKEND_NAME, REQUEST_PARAM_KEY
 
 #: Tail-Replay server: no exact state checkpoints, so every hit is rebuilt from the tail alone
 TAIL_REPLAY_SERVER_CONFIG = {"keep_checkpoints": False}
@@ -68,7 +69,7 @@ class Client:
     def generate(self, prompt: str, max_new_tokens: int, overrides: dict | None = None) -> dict:
         params = {"max_new_tokens": max_new_tokens, "temperature": 0}
         if overrides:
-            params["custom_params"] = {"tail_replay": overrides}
+            params["custom_params"] = {REQUEST_PARAM_KEY: overrides}
         resp = self._post("/generate", {"text": prompt, "sampling_params": params, "return_logprob": True})
         if resp.status_code != 200:
             raise RuntimeError(f"{self.url}/generate failed ({resp.status_code}): {resp.text[:300]}")
@@ -93,7 +94,7 @@ class Client:
 def server_args(kind: str, launch_args: str) -> list[str]:
     args = shlex.split(launch_args)
     if kind == TAIL_REPLAY:
-        args += ["--radix-cache-backend", "tail_replay", "--tail-replay-config", json.dumps(TAIL_REPLAY_SERVER_CONFIG)]
+        args += ["--radix-cache-backend", BACKEND_NAME, "--tail-replay-config", json.dumps(TAIL_REPLAY_SERVER_CONFIG)]
     return args
 
 

@@ -35,6 +35,7 @@ from eval.replay.report import markdown_table, plot, summarize
 from eval.replay.servers import ServerSpec, ServerSpecError, flush_cache, parse_server_specs, stream_generate
 from eval.replay.tokens import TOKEN_HI, ScaledRequest, block_tokens, scale_trace
 from eval.trace_sim.loaders import DEFAULT_TRACE_ROOT, KvLoadOptions, load_kv_cache_tester, load_mooncake
+from sglang_ext.tail_replay import BACKEND_NAME, META_KEY
 
 TRACE_NAMES = {
     "mooncake-conversation": ("mooncake", "mooncake/conversation_trace.jsonl.gz"),
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-ids", action="store_true",
                    help="send each request's conversation as SGLang's top-level session_id (read by "
                         "--enable-session-radix-cache)")
-    p.add_argument("--servers", nargs="+", default=["stock", "tail_replay"],
+    p.add_argument("--servers", nargs="+", default=["stock", BACKEND_NAME],
                    help="server specs: [LABEL=]KIND[:JSON] [SGLANG ARGS...], KIND stock or tail_replay; "
                         "e.g. stock 'tail_replay:{\"keep_checkpoints\": false}' "
                         "'lfu=stock --radix-eviction-policy lfu'")
@@ -182,7 +183,7 @@ def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, co
         return {"index": req.index, "session": req.session, "prompt_tokens": len(req.tokens),
                 "ok": resp.ok, "error": resp.error,
                 "cached_tokens": int(resp.meta_info.get("cached_tokens") or 0) if resp.ok else 0,
-                "tail_replay": details.get("tail_replay"), "ttft_s": resp.ttft_s,
+                "tail_replay": details.get(META_KEY), "ttft_s": resp.ttft_s,
                 "latency_s": resp.latency_s}
 
     records: list[dict] = [None] * len(requests)  # type: ignore[list-item]

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import requests
 
-KINDS = ("stock", "tail_replay")
+from sglang_ext.tail_replay import BACKEND_NAME
+
+KINDS = ("stock", BACKEND_NAME)
 _LABEL = re.compile(r"[A-Za-z0-9_.+-]+")
 
 
@@ -40,8 +42,8 @@ class ServerSpec:
     def launch_args(self, common: list[str]) -> list[str]:
         """Arguments after `--model-path`: the shared ones, then this server's own."""
         args = list(common)
-        if self.kind == "tail_replay":
-            args += ["--radix-cache-backend", "tail_replay"]
+        if self.kind == BACKEND_NAME:
+            args += ["--radix-cache-backend", BACKEND_NAME]
             if self.tail_replay_config is not None:
                 args += ["--tail-replay-config", json.dumps(self.tail_replay_config)]
         return args + list(self.extra_args)
@@ -63,7 +65,7 @@ def parse_server_spec(text: str) -> ServerSpec:
         raise ServerSpecError(f"--servers {text!r}: unknown kind {kind!r}; use one of {KINDS}")
     config = None
     if rest.startswith(":"):
-        if kind != "tail_replay":
+        if kind != BACKEND_NAME:
             raise ServerSpecError(f"--servers {text!r}: only tail_replay takes a JSON config")
         try:
             config, end = json.JSONDecoder().raw_decode(rest[1:])

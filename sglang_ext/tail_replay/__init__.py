@@ -1,7 +1,97 @@
 """Tail-Replay: token-level prefix reuse for hybrid models without recurrent-state checkpoints.
 
-`config` and `planner` are pure (no SGLang, no torch); `cache` adapts them to SGLang's
-`UnifiedRadixCache` (registered as `--radix-cache-backend tail_replay`), and
-`patches/tail_replay_batch.py` and `patches/tail_replay_attention.py` make the replayed tail read
-the exact cached attention KV.
+This package is the wing's public face: `patches/` import only from `sglang_ext.tail_replay`,
+never from its modules. Importing it loads no SGLang module (the SGLang cache adapter, `cache`,
+is loaded on first use of the names that need it).
+
+Modules: `config` (every user-facing knob, the server's config read once), `planner` (pure: how a
+hit of L tokens is reused), `request` (the typed per-request record on SGLang's `Req`), `startup`
+(config against server flags), `metrics` (Prometheus counters, meta_info summary), `cache` (the
+SGLang adapter: `--radix-cache-backend tail_replay`), `own_tail` (kv_mode "recompute").
+
+A request's route (SGLang 0.5.23), seam by seam:
+
+1. config. Start-up: `sglang_ext.launcher` / `sglang_ext.plugin` validate the config
+   (`server_config`) against the flags (`startup.check_start`); every scheduler checks it again
+   in `cache.tail_replay_cache_factory` (the KV dtype SGLang resolved). Arrival, tokenizer
+   process: `patches/tail_replay_request.py` (`SamplingParams.verify`) checks the request's
+   `custom_params["tail_replay"]` with `request_overrides` against the server's refusals
+   (`request_limits`): a bad one is that request's HTTP 400.
+2. planner. Scheduler, prefix match: `cache.TailReplayRadixCache._finalize_match_result` attaches
+   the request's record (`attach`: its config resolved once, `request_overrides`), plans the hit
+   (`plan_replay`: exact checkpoint, exact replay, approximate, miss), stores the plan and, for
+   `kv_mode` "exact", the tree's KV slots of the replayed tail in the record, and sets SGLang's
+   prefix length; `TailReplayMambaComponent` lets the match run as deep as the attention KV.
+   (`patches/tail_replay_sizing.py` and `patches/tail_replay_pages.py` size the state pool and
+   allow pages > 1 for this backend at start-up.)
+3. request record -> forward. `patches/tail_replay_batch.py` (`ForwardBatch.init_new`) reads
+   each record (`record_of`): the plan goes into the counters at the first forward
+   (`record_first_forward`), and the tail's rows in the packed batch with their tree slots are
+   registered for the batch; `patches/tail_replay_attention.py` (`RadixAttention`) substitutes
+   the cached K/V into those rows, and `patches/tail_replay_prefill_graph.py` sends such batches
+   around a "full" prefill CUDA graph.
+4. output / metrics. `patches/tail_replay_meta.py` (`get_cached_tokens_details`) puts
+   `plan_summary(plan)` into `meta_info.cached_tokens_details.tail_replay`; `/metrics` serves the
+   counters of step 3.
+5. cache. `TailReplayMambaComponent.prepare_for_caching_req` / `cleanup_after_caching_req` keep
+   states of approximate replays (and all states with `keep_checkpoints: false`) out of the tree
+   (record `state_withheld`); with `kv_mode` "recompute" `own_tail` keeps the request's
+   recomputed tail KV its own (record `own_end`, `own_kv`) until `on_release` frees it.
 """
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_ext.tail_replay.config import (
+    BACKEND_NAME,
+    DEFAULTS,
+    KV_MODES,
+    REQUEST_PARAM_KEY,
+    RequestLimits,
+    TailReplayConfig,
+    TailReplayConfigError,
+    config_from_dict,
+    parse_config,
+    request_overrides,
+    server_config,
+    with_overrides,
+)
+from sglang_ext.tail_replay.metrics import (
+    META_KEY,
+    is_recording_rank,
+    plan_summary,
+    record_first_forward,
+    record_plan,
+)
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
+from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attach, plan_of, record_of
+from sglang_ext.tail_replay.startup import (
+    ServerFacts,
+    StartupError,
+    check_start,
+    facts_from_server_args,
+    request_limits,
+)
+
+#: names served from `cache` (it imports SGLang's unified radix cache), loaded on first use
+_FROM_CACHE = ("TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_cache_factory")
+
+__all__ = [
+    "BACKEND_NAME", "DEFAULTS", "KV_MODES", "REQUEST_PARAM_KEY", "RequestLimits", "TailReplayConfig",
+    "TailReplayConfigError", "config_from_dict", "parse_config", "request_overrides", "server_config",
+    "with_overrides",
+    "HitKind", "ReplayPlan", "plan_replay", "replay_window",
+    "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of",
+    "META_KEY", "is_recording_rank", "plan_summary", "record_first_forward", "record_plan",
+    "ServerFacts", "StartupError", "check_start", "facts_from_server_args", "request_limits",
+    *_FROM_CACHE,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_CACHE:
+        from sglang_ext.tail_replay import cache
+
+        return getattr(cache, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,26 +7,28 @@ What changes against SGLang 0.5.23's `UnifiedRadixCache` + `MambaComponent`:
   L - W with a zeroed linear state (approximate), or 0.
 - caching: states computed after an approximate replay (and, with keep_checkpoints=False, all
   states) are never inserted; the attention KV still is.
-The per-request decision is `req.tail_replay` (a ReplayPlan) plus, for exact-KV replay,
-`req.tail_replay_kv_slots`: the tree's KV slots of the replayed tail, read by
-`patches/tail_replay_batch.py` / `tail_replay_attention.py`.
+The per-request decision goes into the request's record (`tail_replay.request`): its config
+(resolved once, at the first match), the plan (a ReplayPlan) and, for exact-KV replay, `kv_slots`:
+the tree's KV slots of the replayed tail, read by `patches/tail_replay_batch.py` /
+`tail_replay_attention.py`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
-
-from sglang_ext.tail_replay import own_tail
-from sglang_ext.tail_replay.config import BACKEND_NAME, REQUEST_PARAM_KEY, TailReplayConfig, with_overrides
-from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
-
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, TreeComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_exec, mamba_cache_chunk_size, mamba_checkpoint_grid
+
+from sglang_ext.tail_replay import own_tail
+from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, request_overrides, server_config
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
+from sglang_ext.tail_replay.request import TailReplayRequest, attach, plan_of, record_of
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
@@ -34,15 +36,17 @@ if TYPE_CHECKING:
 __all__ = ["BACKEND_NAME", "TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_cache_factory"]
 
 
-def request_plan(req) -> Optional[ReplayPlan]:
-    return getattr(req, "tail_replay", None)
-
-
-def request_config(base: TailReplayConfig, req) -> TailReplayConfig:
+def request_config(base: TailReplayConfig, req: Any) -> TailReplayConfig:
     """The server's config with the request's `custom_params["tail_replay"]` overrides
-    (validated when the request arrived, see patches/tail_replay_request.py)."""
-    custom = getattr(req.sampling_params, "custom_params", None) or {}
-    return with_overrides(base, custom.get(REQUEST_PARAM_KEY))
+    (validated when the request arrived, see patches/tail_replay_request.py). Resolved once per
+    request: `record_for` keeps the result on the request's record."""
+    return request_overrides(base, getattr(req.sampling_params, "custom_params", None))
+
+
+def record_for(base: TailReplayConfig, req: Any) -> TailReplayRequest:
+    """The request's record; created, with its config resolved, on first use."""
+    record = record_of(req)
+    return record if record is not None else attach(req, request_config(base, req))
 
 
 class TailReplayMambaComponent(MambaComponent):
@@ -62,7 +66,7 @@ class TailReplayMambaComponent(MambaComponent):
     def config(self) -> TailReplayConfig:
         return self.cache.tail_replay_config
 
-    def create_match_validator(self, match_device_only: bool = False):
+    def create_match_validator(self, match_device_only: bool = False) -> Callable[[Any], bool]:
         return lambda node: True
 
     def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
@@ -70,7 +74,7 @@ class TailReplayMambaComponent(MambaComponent):
         return result._replace(mamba_branching_seqlen=None)
 
     def finalize_match_result_in_cache(self, params, result):
-        plan = request_plan(params.req) if params.req is not None else None
+        plan = plan_of(params.req) if params.req is not None else None
         if plan is None or plan.kind is HitKind.EXACT_CHECKPOINT:
             return super().finalize_match_result_in_cache(params, result)
         if params.cow_mamba and params.req.kv.holds_mamba:
@@ -78,17 +82,18 @@ class TailReplayMambaComponent(MambaComponent):
             params.req.kv.mamba_needs_clear = True   # replay starts from the zero state
         return result
 
-    def _stores_state(self, req, token_ids_len: int) -> bool:
+    def _stores_state(self, req: Any, token_ids_len: int) -> bool:
         """Only exact states, and only where the tree can hold them: without the extra buffer
         the state is the sequence-end state, and the key is cut to whole pages on insert."""
-        plan = request_plan(req)
-        exact = plan is None or plan.state_is_exact
+        record = record_for(self.config, req)
+        exact = record.plan is None or record.plan.state_is_exact
         lands_on_its_depth = self.cache.enable_mamba_extra_buffer or token_ids_len % self.cache.page_size == 0
-        return request_config(self.config, req).keep_checkpoints and exact and lands_on_its_depth
+        return record.config.keep_checkpoints and exact and lands_on_its_depth
 
-    def prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished):
-        req.tail_replay_state_withheld = not self._stores_state(req, token_ids_len)
-        if not req.tail_replay_state_withheld:
+    def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> int:
+        withheld = not self._stores_state(req, token_ids_len)
+        record_for(self.config, req).state_withheld = withheld
+        if not withheld:
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
         insert_params.mamba_value = None   # the attention KV is still inserted in full
         return token_ids_len
@@ -130,9 +135,12 @@ class TailReplayMambaComponent(MambaComponent):
             self._evict_device_cursor = lru.cursor_next()
         return None
 
-    def cleanup_after_caching_req(self, req, is_finished, insert_result=None, insert_params=None):
-        withheld = getattr(req, "tail_replay_state_withheld", False)
-        req.tail_replay_state_withheld = False
+    def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
+                                  insert_params: Any = None) -> None:
+        record = record_of(req)
+        withheld = record is not None and record.state_withheld
+        if record is not None:
+            record.state_withheld = False
         if withheld and is_finished:
             self.cache.req_to_token_pool.free_mamba_cache(req)   # the request's state dies with it
             return
@@ -142,12 +150,12 @@ class TailReplayMambaComponent(MambaComponent):
 class TailReplayRadixCache(UnifiedRadixCache):
     tail_replay_config: TailReplayConfig = TailReplayConfig()
 
-    def _finalize_match_result(self, params: "MatchPrefixParams", result: "MatchResult") -> "MatchResult":
+    def _finalize_match_result(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
         if params.req is not None:
             result = self._apply_replay_plan(params.req, result)
         return super()._finalize_match_result(params, result)
 
-    def _deepest_state_on_path(self, node_id) -> tuple[Optional[int], Optional[int]]:
+    def _deepest_state_on_path(self, node_id) -> tuple[int | None, int | None]:
         """(node id, depth in tokens) of the deepest node on the path holding a device state."""
         core = self.tree_core
         node, root = core.node_by_id(node_id), core.root_node
@@ -162,13 +170,14 @@ class TailReplayRadixCache(UnifiedRadixCache):
             depth -= len(n.key)
         return None, None
 
-    def _apply_replay_plan(self, req, result: "MatchResult") -> "MatchResult":
-        config = request_config(self.tail_replay_config, req)
+    def _apply_replay_plan(self, req: Any, result: MatchResult) -> MatchResult:
+        record = record_for(self.tail_replay_config, req)
+        config = record.config
         ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
         plan = plan_replay(result.device_prefix_len, ckpt_len or None, self.page_size, config)
-        req.tail_replay = plan
-        req.tail_replay_kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
-        own_tail.begin(req, plan, config.kv_mode)   # recompute: the request keeps its tail KV
+        record.plan = plan
+        record.kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
+        own_tail.begin(record, plan, config.kv_mode)   # recompute: the request keeps its tail KV
         if plan.kind is HitKind.EXACT_CHECKPOINT:
             return result._replace(device_prefix_len=plan.prefix_len, last_device_node=ckpt_id,
                                    last_host_node=ckpt_id, best_match_node=ckpt_id)
@@ -179,18 +188,18 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return result._replace(device_prefix_len=plan.prefix_len)
 
     # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py)
-    def checkpoint_into_tree(self, req, *, up_to: int, **kwargs) -> None:
+    def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         with own_tail.claiming(self, req):
             super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
 
     def insert(self, params):
         return own_tail.insert(self, params, super().insert)
 
-    def on_release(self, req, *, checkpointed: bool) -> None:
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
         own_tail.release(self, req)
         super().on_release(req, checkpointed=checkpointed)
 
-    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id):
+    def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id: Any) -> torch.Tensor | None:
         """The tree's KV slots of [prefix_len, L), read off the matched path bottom-up (O(W))."""
         if config.kv_mode != "exact" or not plan.reuses_tail_kv:
             return None
@@ -202,14 +211,14 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return torch.cat(chunks[::-1])[plan.prefix_len - depth:].clone()
 
 
-def tail_replay_cache_factory(ctx):
+def tail_replay_cache_factory(ctx: Any) -> UnifiedRadixCache:
     """`--radix-cache-backend tail_replay`: SGLang calls this once per scheduler at start-up."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
-    from sglang_ext.env import read_tail_replay_config
+    from sglang_ext.tail_replay.startup import check_scheduler_start
 
-    config = read_tail_replay_config()
-    from sglang_ext.tail_replay.startup import check_scheduler_start; check_scheduler_start(ctx, config)  # noqa: E702
+    config = server_config()
+    check_scheduler_start(ctx, config)
     if not ctx.is_hybrid_ssm:
         raise ValueError("--radix-cache-backend tail_replay needs a hybrid model with linear-attention "
                          "or SSM layers (GDN, Mamba-2); this model has none")

@@ -3,13 +3,23 @@
 Given as JSON (`--tail-replay-config '{"budget": 0.05}'`, or the env var
 `SGLANG_EXT_TAIL_REPLAY_CONFIG`, a JSON object or a path to a JSON file). Unknown keys and
 bad values fail at start-up with a message naming the key.
+
+Every reader of the server's config calls `server_config()` (the variable is read by
+`sglang_ext.env`, parsed here once per process and value); a request's overrides are resolved by
+`request_overrides` (checked in the tokenizer process, resolved once more in the scheduler when
+the request is first matched and kept on its record, `tail_replay.request`: SGLang sends the
+request between the two processes as msgspec data, so no Python object can travel with it).
+`DEFAULTS` is the default config, for benchmarks and evaluations that name the defaults.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
+from sglang_ext.env import tail_replay_config_text
 
 #: `--radix-cache-backend` name of Tail-Replay
 BACKEND_NAME = "tail_replay"
@@ -48,13 +58,17 @@ class TailReplayConfig:
         _check(self.kv_mode in KV_MODES, "kv_mode", f"must be one of {KV_MODES}, got {self.kv_mode!r}")
 
 
-_TYPES = {"budget": (int, float), "min_replay_tokens": int, "max_replay_tokens": int,
-          "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str}
+_TYPES: dict[str, type | tuple[type, ...]] = {"budget": (int, float), "min_replay_tokens": int, "max_replay_tokens": int,
+                                               "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str}
 
 
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise TailReplayConfigError(f"tail-replay config key {key!r}: {message}")
+
+
+#: the defaults (what a server without `--tail-replay-config` runs with)
+DEFAULTS = TailReplayConfig()
 
 
 def _check_fields(raw: dict) -> None:
@@ -125,6 +139,18 @@ def request_overrides(base: TailReplayConfig, custom_params: object,
         raise TailReplayConfigError(f"{OVERRIDES_FIELD}: key 'kv_mode': 'exact' is refused on this "
                                     f"server: {limits.exact_kv_refused}")
     return config
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(text: str | None) -> TailReplayConfig:
+    return parse_config(text)
+
+
+def server_config() -> TailReplayConfig:
+    """The server's config (`SGLANG_EXT_TAIL_REPLAY_CONFIG`), parsed once per process and value of
+    the variable (requests call this: no JSON or file read per request); TailReplayConfigError
+    naming the key when it is bad."""
+    return _parsed(tail_replay_config_text())
 
 
 def parse_config(text: str | None) -> TailReplayConfig:

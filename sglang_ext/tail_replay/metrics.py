@@ -13,10 +13,14 @@ from __future__ import annotations
 import functools
 
 from sglang_ext.tail_replay.planner import ReplayPlan
+from sglang_ext.tail_replay.request import TailReplayRequest
+
+#: key of the per-request summary in `meta_info["cached_tokens_details"]`
+META_KEY = "tail_replay"
 
 
 @functools.lru_cache(maxsize=1)
-def _counters():
+def _counters() -> dict:
     from prometheus_client import Counter
 
     return {
@@ -52,6 +56,15 @@ def record_plan(plan: ReplayPlan) -> None:
     counters["hits"].labels(kind=plan.kind.value).inc()
 
 
+def record_first_forward(record: TailReplayRequest) -> None:
+    """At a request's forward: its plan into the counters, once per request (a retracted and
+    re-matched request is not counted again)."""
+    if record.plan is not None and not record.recorded:
+        record.recorded = True
+        record_plan(record.plan)
+
+
 def plan_summary(plan: ReplayPlan) -> dict:
+    """`meta_info.cached_tokens_details.tail_replay` of a request with this plan."""
     return {"kind": plan.kind.value, "matched_tokens": plan.matched_tokens,
             "reused_tokens": plan.prefix_len, "replayed_tokens": plan.replayed_tokens}

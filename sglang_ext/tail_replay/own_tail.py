@@ -14,7 +14,7 @@ request from the first chunk boundary on.
 
 How: before that insert, `cache_protected_len` (and the insert's `prev_prefix_len`) is raised over
 the part of [P, L) the insert covers, so the insert neither frees those slots nor rewrites the row
-there; the slots are recorded as the request's own (`req.tail_replay_own_kv`) and freed by
+there; the slots are recorded as the request's own (its record's `own_kv`) and freed by
 `release()` when the request's row is given back (finish, abort, retraction: SGLang's single path
 `release_kv_cache` -> `on_release`). Positions past L are published as usual. The tree path [0, L)
 stays locked by the request (its match locked the node at depth L), so the insert always finds the
@@ -31,35 +31,38 @@ Hooks (in `TailReplayRadixCache`, sglang_ext/tail_replay/cache.py): `begin` at m
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Optional
+from typing import Any
 
 import torch
+
+from sglang_ext.tail_replay.planner import ReplayPlan
+from sglang_ext.tail_replay.request import TailReplayRequest, record_of
 
 #: attribute on the cache: the request whose checkpoint_into_tree is running (one-shot, see insert)
 _CLAIMING = "_tail_replay_claiming_req"
 
 
-def own_tail_end(plan, kv_mode: str) -> Optional[int]:
+def own_tail_end(plan: ReplayPlan | None, kv_mode: str) -> int | None:
     """L when the request keeps its own recomputed KV for [prefix_len, L), else None (pure)."""
     if kv_mode == "recompute" and plan is not None and plan.reuses_tail_kv:
         return plan.matched_tokens
     return None
 
 
-def begin(req, plan, kv_mode: str) -> None:
+def begin(record: TailReplayRequest, plan: ReplayPlan, kv_mode: str) -> None:
     """At match: record up to where the request's tail KV is its own. A request being matched
     holds no own slots (they are freed when its row is released), so nothing is dropped here."""
-    req.tail_replay_own_end = own_tail_end(plan, kv_mode)
-    if getattr(req, "tail_replay_own_kv", None) is None:
-        req.tail_replay_own_kv = None
+    record.own_end = own_tail_end(plan, kv_mode)
 
 
 @contextmanager
-def claiming(cache, req):
+def claiming(cache: Any, req: Any) -> Iterator[None]:
     """Around `checkpoint_into_tree(req)`: arm `insert` for this request's tail, if it has one
     that is not yet claimed."""
-    end = getattr(req, "tail_replay_own_end", None)
+    record = record_of(req)
+    end = None if record is None else record.own_end
     if end is None or not req.kv.holds_kv or req.kv.cache_protected_len >= end:
         yield
         return
@@ -70,15 +73,16 @@ def claiming(cache, req):
         setattr(cache, _CLAIMING, None)
 
 
-def insert(cache, params, insert_fn: Callable):
+def insert(cache: Any, params: Any, insert_fn: Callable[[Any], Any]) -> Any:
     """Around the tree insert of `checkpoint_into_tree`: claim [protected, min(L, inserted key))
     for the request (not freed as duplicates, row not rewritten), then insert."""
     req = getattr(cache, _CLAIMING, None)
     if req is None:
         return insert_fn(params)
     setattr(cache, _CLAIMING, None)   # only the request's own insert, not a follow-up one
+    record = record_of(req)
     start = req.kv.cache_protected_len
-    claim_to = min(req.tail_replay_own_end, len(params.key))
+    claim_to = min(record.own_end, len(params.key))
     if claim_to <= start:
         return insert_fn(params)
     params.prev_prefix_len = max(params.prev_prefix_len, claim_to)
@@ -86,29 +90,31 @@ def insert(cache, params, insert_fn: Callable):
     if getattr(result, "rotation_tail_declined", False):
         return result   # SGLang keeps the whole row the request's own then; nothing to claim
     row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:claim_to].to(torch.int64).clone()
-    own = req.tail_replay_own_kv
+    own = record.own_kv
     if own is None:
-        req.tail_replay_own_kv = (start, row)
+        record.own_kv = (start, row)
     else:
         own_start, slots = own
         assert own_start + len(slots) == start, "own tail claims must be contiguous"
-        req.tail_replay_own_kv = (own_start, torch.cat([slots, row]))
+        record.own_kv = (own_start, torch.cat([slots, row]))
     req.kv.cache_protected_len = claim_to
     return result
 
 
-def own_slots(req) -> Optional[torch.Tensor]:
+def own_slots(req: Any) -> torch.Tensor | None:
     """The KV slots the request holds for its recomputed tail (None if none)."""
-    own = getattr(req, "tail_replay_own_kv", None)
+    record = record_of(req)
+    own = None if record is None else record.own_kv
     return None if own is None else own[1]
 
 
-def release(cache, req) -> None:
+def release(cache: Any, req: Any) -> None:
     """When the request's row is given back: free its own tail slots, once."""
-    own = getattr(req, "tail_replay_own_kv", None)
-    req.tail_replay_own_kv = None
+    record = record_of(req)
+    own = None if record is None else record.own_kv
     if own is None:
         return
+    record.own_kv = None
     from sglang.srt.mem_cache.common import free_kv_row_segments
 
     start, slots = own

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
+from typing import Any
 
 from sglang_ext.tail_replay.config import RequestLimits, TailReplayConfig
 
@@ -81,21 +82,21 @@ def check_flag_names_kv_dtype(flag: ServerFacts, resolved: ServerFacts) -> None:
 def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
     settings = " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config))
     limits = request_limits(config, facts)
-    refused = [f"keep_checkpoints=true ({limits.checkpoints_refused})" if limits.checkpoints_refused else None,
+    reasons = [f"keep_checkpoints=true ({limits.checkpoints_refused})" if limits.checkpoints_refused else None,
                f"kv_mode='exact' ({limits.exact_kv_refused})" if limits.exact_kv_refused else None]
-    refused = [r for r in refused if r] or ["none"]
+    refused = [r for r in reasons if r] or ["none"]
     return (f"Tail-Replay config in force: {settings}; kv cache dtype {facts.kv_cache_dtype}; "
             f"per-request overrides refused: {'; '.join(refused)}")
 
 
 # ------------------------------------------------------------------ adapters (duck-typed)
 
-def facts_from_server_args(server_args) -> ServerFacts:
+def facts_from_server_args(server_args: Any) -> ServerFacts:
     """Facts from SGLang's ServerArgs (flags as given; main process or tokenizer)."""
     return ServerFacts(kv_cache_dtype=str(getattr(server_args, "kv_cache_dtype", None) or "auto"))
 
 
-def check_scheduler_start(ctx, config: TailReplayConfig) -> None:
+def check_scheduler_start(ctx: Any, config: TailReplayConfig) -> None:
     """In each scheduler, from SGLang's TreeCacheBuildContext: refuse what cannot run (with the
     KV dtype SGLang resolved), and log the summary line once, on TP rank 0."""
     flag = facts_from_server_args(ctx.server_args)

@@ -27,8 +27,8 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
     breakable_cuda_graph as bcg,
 )
 from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import (  # noqa: E402
-    enable_breakable_cuda_graph,
     eager_on_graph,
+    enable_breakable_cuda_graph,
 )
 from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch  # noqa: E402
 from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope  # noqa: E402
@@ -36,7 +36,14 @@ from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_s
 from patches import tail_replay_attention, tail_replay_batch, tail_replay_prefill_graph  # noqa: E402
 from patches.tail_replay_attention import MARK, substitute_cached_kv  # noqa: E402
 from patches.tail_replay_batch import _tail_rows_and_slots  # noqa: E402
-from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
+from sglang_ext.tail_replay import (  # noqa: E402
+    RECORD_ATTR,
+    HitKind,
+    ReplayPlan,
+    TailReplayConfig,
+    TailReplayRequest,
+    record_of,
+)
 
 HEADS, DIM, POOL = 2, 4, 64
 
@@ -57,7 +64,9 @@ class FakePool:
 
 
 def req(plan=None, slots=None):
-    return SimpleNamespace(tail_replay=plan, tail_replay_kv_slots=slots)
+    """A request whose Tail-Replay record holds `plan` and the tail's tree slots `slots`."""
+    record = TailReplayRequest(config=TailReplayConfig(), plan=plan, kv_slots=slots)
+    return SimpleNamespace(**{RECORD_ATTR: record})
 
 
 def approx(start, matched, first_slot):
@@ -71,7 +80,7 @@ def reference_rows(reqs, prefix_lens, extend_lens):
     out, row = [], 0
     for r, prefix, extend in zip(reqs, prefix_lens, extend_lens):
         for pos in range(prefix, prefix + extend):
-            plan, slots = r.tail_replay, r.tail_replay_kv_slots
+            plan, slots = record_of(r).plan, record_of(r).kv_slots
             if plan is not None and slots is not None and plan.replay_start <= pos < plan.matched_tokens:
                 out.append((row, int(slots[pos - plan.replay_start])))
             row += 1

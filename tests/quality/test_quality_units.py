@@ -76,7 +76,7 @@ PAGED = runner.SharedPrefix(tokens=1000, page_size=16)
     (_tr("approximate", 984, 50), "tr-5", PAGED, "matched 984"),                   # a page short
     (_tr("exact_checkpoint", 1000, 10), "tr-5", SHARED, "hit kind 'exact_checkpoint', planned 'approximate'"),
     (_tr("exact_replay", 1000, 1000), "tr-5", SHARED, "planned 'approximate'"),
-    (_tr("approximate", 1000, 120), "tr-5", SHARED, "replayed 120 > budget 0.05"),
+    (_tr("approximate", 1000, 120), "tr-5", SHARED, "replayed 120 > the replay window 50 (budget 0.05"),
     (_tr("approximate", 1000, 50, cached=900), "tr-5", SHARED, "reused 900 + replayed 50 != matched 1000"),
     # the window covers L: an exact replay that reuses 0 tokens is what tr-100 plans
     (_tr("exact_replay", 1000, 1000), "tr-100", SHARED, None),

@@ -10,7 +10,6 @@ does the recurrent-state allocator, so the tests assert exact slot ids.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -26,18 +25,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.allocation import ensure_mamba_capacity  # noqa: E402
-from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
-from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache  # noqa: E402
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
+from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
+from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
 MAMBA = ComponentType.MAMBA
 FULL = ComponentType.FULL
@@ -167,11 +167,11 @@ def test_shared_prefix_reuses_l_minus_w_with_the_tree_tail_kv(page):
     matched = floor_page(30, page)            # 30 (page 1) or 28 (page 4)
     window = 4                                # max(ceil(0.1 * L), 4)
     prefix = floor_page(matched - window, page)  # 26 (page 1) or 24 (page 4)
-    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, matched, prefix, prefix)
+    assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, matched, prefix, prefix)
     assert req.prefix_len == prefix
     assert h.cache.prefix_device_indices(req).tolist() == seq(1, prefix)
     # the replayed tail [L - W, L) reads the tree's exact KV
-    assert req.tail_replay_kv_slots.tolist() == seq(prefix + 1, matched - prefix)
+    assert record_of(req).kv_slots.tolist() == seq(prefix + 1, matched - prefix)
     # the lock covers the whole match, tail included
     assert h.depth(req.last_node) == matched and h.full_lock(req.last_node) == 1
     assert h.cache.full_protected_size() == matched
@@ -195,7 +195,7 @@ def test_approximate_request_publishes_no_state_at_a_chunk_boundary(page):
     h = Harness(page)
     h.run(A)
     req = h.admit(A[:36] + seq(6000, 12))       # 48 tokens, L = 36, W = 4 -> approximate
-    assert req.tail_replay.kind is HitKind.APPROXIMATE
+    assert plan_of(req).kind is HitKind.APPROXIMATE
     free_states = h.pool.mamba_allocator.available_size()
     h.chunk_checkpoint(req)
     # KV published up to the chunk end, but no state: no slot was taken for a copy
@@ -214,7 +214,7 @@ def test_exact_request_publishes_its_state_at_a_chunk_boundary(page):
     # the contrast to the test above: a miss (exact, from zero) donates its state
     h = Harness(page)
     req = h.admit(seq(1, 48))
-    assert req.tail_replay.kind is HitKind.MISS
+    assert plan_of(req).kind is HitKind.MISS
     h.chunk_checkpoint(req)
     assert h.state_nodes() == {48: 2}           # a fresh slot holds the copy; the request keeps 1
     assert int(req.kv.mamba_pool_idx) == 1
@@ -231,8 +231,8 @@ def test_full_hit_on_a_checkpoint_replays_nothing(page):
     h = Harness(page)
     h.run(A)
     req = h.admit(A + seq(7000, 8))
-    assert req.tail_replay == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
-    assert req.prefix_len == 40 and req.tail_replay_kv_slots is None
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert req.prefix_len == 40 and record_of(req).kv_slots is None
     assert req.kv.mamba_cow_src_index.tolist() == [1] and not req.kv.mamba_needs_clear
     h.finish(req)
     assert h.state_nodes() == {40: 1, 48: 2}   # the copy target the match allocated
@@ -246,14 +246,14 @@ def test_checkpoint_within_the_window_gives_exact_checkpoint(page):
     x = seq(2000, 12)
     # KV only past the checkpoint: this request keeps no state (per-request override)
     kv_only = h.run(A + x, overrides={"keep_checkpoints": False})
-    assert kv_only.tail_replay == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert plan_of(kv_only) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
     assert h.state_nodes() == {40: 1} and len(h.tree_kv()) == 52
     h.assert_no_leak()
 
     # L = 44, W = max(ceil(4.4), 4) = 5: the checkpoint at 40 is 4 <= 5 back
     req = h.admit(A + x[:4] + seq(3000, 8))
-    assert req.tail_replay == ReplayPlan(HitKind.EXACT_CHECKPOINT, 44, 40, 40)
-    assert req.prefix_len == 40 and req.tail_replay_kv_slots is None
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 44, 40, 40)
+    assert req.prefix_len == 40 and record_of(req).kv_slots is None
     assert h.depth(req.last_node) == 40 and h.full_lock(req.last_node) == 1
     assert h.cache.prefix_device_indices(req).tolist() == seq(1, 40)
     assert req.kv.mamba_cow_src_index.tolist() == [1] and not req.kv.mamba_needs_clear
@@ -264,8 +264,8 @@ def test_checkpoint_within_the_window_gives_exact_checkpoint(page):
     # L = 52, W = 6: the checkpoint is 12 back -> approximate from floor(46 / page) * page
     req = h.admit(A + x + seq(4000, 4))
     prefix = floor_page(46, page)
-    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, 52, prefix, prefix)
-    assert req.tail_replay_kv_slots.tolist() == seq(prefix + 1, 52 - prefix)
+    assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, 52, prefix, prefix)
+    assert record_of(req).kv_slots.tolist() == seq(prefix + 1, 52 - prefix)
     assert req.kv.mamba_cow_src_index is None
     h.finish(req)
     h.assert_no_leak()
@@ -276,9 +276,9 @@ def test_window_covering_the_match_replays_everything_from_zero(page):
     h = Harness(page, dataclasses.replace(CONFIG, min_match_tokens=0))
     h.run(A)
     req = h.admit(A[:4] + seq(8000, 10))  # L = 4 = W
-    assert req.tail_replay == ReplayPlan(HitKind.EXACT_REPLAY, 4, 0, 0)
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_REPLAY, 4, 0, 0)
     assert req.prefix_len == 0
-    assert req.tail_replay_kv_slots.tolist() == [1, 2, 3, 4]
+    assert record_of(req).kv_slots.tolist() == [1, 2, 3, 4]
     assert h.depth(req.last_node) == 4 and h.full_lock(req.last_node) == 1
     assert req.kv.mamba_cow_src_index is None and req.kv.mamba_needs_clear
     h.finish(req)
@@ -294,8 +294,8 @@ def test_short_match_without_checkpoint_is_a_miss(page):
     h = Harness(page, config)
     h.run(A)
     req = h.admit(A[:6] + seq(9000, 10))        # L = 6 (page 1) or 4 (page 4) < 8, W = 2
-    assert req.tail_replay == ReplayPlan(HitKind.MISS, floor_page(6, page), 0, 0)
-    assert req.prefix_len == 0 and req.tail_replay_kv_slots is None
+    assert plan_of(req) == ReplayPlan(HitKind.MISS, floor_page(6, page), 0, 0)
+    assert req.prefix_len == 0 and record_of(req).kv_slots is None
     assert req.last_node == h.cache.root_node_handle()
     assert h.cache.full_protected_size() == 0
     h.finish(req)
@@ -306,8 +306,8 @@ def test_recompute_kv_mode_hands_out_no_tail_slots():
     h = Harness(1, TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="recompute"))
     h.run(A)
     req = h.admit(A[:30] + seq(5000, 10))
-    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, 30, 26, 26)
-    assert req.tail_replay_kv_slots is None
+    assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, 30, 26, 26)
+    assert record_of(req).kv_slots is None
     h.finish(req)
     h.assert_no_leak()
 
@@ -316,11 +316,11 @@ def test_request_overrides_change_the_plan():
     h = Harness(1)
     h.run(A)
     req = h.admit(A[:30] + seq(5000, 10), overrides={"budget": 0.5})
-    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, 30, 15, 15)
-    assert req.tail_replay_kv_slots.tolist() == seq(16, 15)
+    assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, 30, 15, 15)
+    assert record_of(req).kv_slots.tolist() == seq(16, 15)
     h.finish(req)
     req = h.admit(A[:30] + seq(6000, 10), overrides={"min_replay_tokens": 64, "max_replay_tokens": 64})
-    assert req.tail_replay == ReplayPlan(HitKind.EXACT_REPLAY, 30, 0, 0)
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_REPLAY, 30, 0, 0)
     h.finish(req)
     h.assert_no_leak()
 
@@ -334,12 +334,12 @@ def test_without_checkpoints_the_tree_never_holds_a_state(page):
                                        keep_checkpoints=False))
     baseline = h.pool.mamba_allocator.available_size()
     first = h.run(A, output=[1, 2, 3])
-    assert first.tail_replay.kind is HitKind.MISS
+    assert plan_of(first).kind is HitKind.MISS
     assert h.state_nodes() == {} and h.pool.mamba_allocator.available_size() == baseline
 
     # running requests hold exactly one slot each, the tree none
     reqs = [h.admit(A[:30] + seq(5000, 10)), h.admit(A + seq(6000, 5)), h.admit(A[:4] + seq(7000, 9))]
-    assert [r.tail_replay.kind for r in reqs] == [HitKind.APPROXIMATE, HitKind.APPROXIMATE, HitKind.MISS]
+    assert [plan_of(r).kind for r in reqs] == [HitKind.APPROXIMATE, HitKind.APPROXIMATE, HitKind.MISS]
     assert h.pool.mamba_allocator.available_size() == baseline - 3
     h.chunk_checkpoint(reqs[1])
     assert h.state_nodes() == {} and h.pool.mamba_allocator.available_size() == baseline - 3
@@ -369,7 +369,7 @@ def test_a_stored_state_sits_at_the_depth_it_was_computed_at():
         assert depth == 42, f"a 42-token state is stored at depth {depth}"
     h.assert_no_leak()
     req = h.admit(seq(1000, 42) + [1, 2, 3])
-    assert req.tail_replay.kind is not HitKind.EXACT_CHECKPOINT, req.tail_replay
+    assert plan_of(req).kind is not HitKind.EXACT_CHECKPOINT, plan_of(req)
 
 
 # ---------------------------------------------------------------- state pressure
@@ -397,7 +397,7 @@ def test_state_pressure_frees_states_but_keeps_every_branch_kv(page):
     req = h.admit(docs[0][:36] + seq(5000, 6))           # the oldest branch, its state long gone
     matched = floor_page(36, page)
     prefix = floor_page(matched - 4, page)
-    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, matched, prefix, prefix)
+    assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, matched, prefix, prefix)
     assert h.cache.prefix_device_indices(req).tolist() == seq(1, prefix)
     h.finish(req)
     assert sorted(h.tree_kv())[:8 * 40] == seq(1, 8 * 40)
@@ -416,7 +416,7 @@ def test_state_pressure_spares_the_checkpoint_a_planned_hit_copies():
     oldest_slot = int(oldest.component_data[MAMBA].value.item())
     assert h.pool.mamba_allocator.available_size() == 0
     req = h.admit(docs[0] + seq(7000, 8))
-    assert req.tail_replay == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
     assert req.kv.mamba_cow_src_index.tolist() == [oldest_slot]
     assert oldest.component_data[MAMBA].value is not None
     assert int(oldest.component_data[MAMBA].value.item()) == oldest_slot
@@ -424,4 +424,35 @@ def test_state_pressure_spares_the_checkpoint_a_planned_hit_copies():
     assert len(held) == 2 and oldest in held              # another state made room
     assert sorted(h.tree_kv()) == seq(1, 3 * 40)
     h.finish(req)
+    h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- the request record
+
+
+def test_one_record_per_request_with_its_config_resolved_once():
+    """Tail-Replay keeps its per-request state in one record under one attribute of `Req`, and
+    resolves the request's overrides once, at its match, not again at each caching step."""
+    from sglang_ext.tail_replay import RECORD_ATTR, TailReplayRequest
+    from sglang_ext.tail_replay import cache as cache_module
+
+    h = Harness(1)
+    h.run(A)
+    calls = []
+    original = cache_module.request_overrides
+
+    def counting(base, custom_params, *args):
+        calls.append(custom_params)
+        return original(base, custom_params, *args)
+
+    with mock.patch.object(cache_module, "request_overrides", counting):
+        req = h.admit(A + [7, 8], {"budget": 0.5, "min_replay_tokens": 0})
+        h.chunk_checkpoint(req)   # caching between chunks ...
+        h.finish(req, output=[9])   # ... and at finish read the record's config
+    assert len(calls) == 1
+    record = record_of(req)
+    assert isinstance(record, TailReplayRequest) and getattr(req, RECORD_ATTR) is record
+    assert record.config == dataclasses.replace(CONFIG, budget=0.5, min_replay_tokens=0)
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert not [name for name in vars(req) if name.startswith("tail_replay")]   # no loose attributes
     h.assert_no_leak()

@@ -47,7 +47,6 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
-from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 from sglang_ext.tail_replay.cache import (  # noqa: E402
     TailReplayMambaComponent,
     TailReplayRadixCache,
@@ -55,6 +54,8 @@ from sglang_ext.tail_replay.cache import (  # noqa: E402
 )
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind  # noqa: E402
+from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
+from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
 KV_SIZE = 160
@@ -112,7 +113,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
                    sampling_params=SamplingParams(temperature=0, max_new_tokens=16, custom_params=custom))
 
     def keeps_state(self, req: Req) -> bool:
-        return req.tail_replay.state_is_exact and request_config(self.config, req).keep_checkpoints
+        return plan_of(req).state_is_exact and request_config(self.config, req).keep_checkpoints
 
     def ensure_kv(self, need: int) -> bool:
         short = need - self.alloc.available_size()
@@ -144,7 +145,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         assert not req.kv.holds_kv
         depth = self.state_depths().get(slot)
         if not exact or not finish:
-            assert depth is None, f"state of {req.tail_replay} (finish={finish}) stored at depth {depth}"
+            assert depth is None, f"state of {plan_of(req)} (finish={finish}) stored at depth {depth}"
         elif depth is not None:
             assert depth == seqlen, f"a state computed over {seqlen} tokens is stored at depth {depth}"
 
@@ -177,7 +178,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     def do_admit(self, tokens, override):
         req = self.new_req(tokens, override)
         req.init_next_round_input(self.cache)
-        plan = req.tail_replay
+        plan = plan_of(req)
         event(f"plan: {plan.kind.value}")  # shown by --hypothesis-show-statistics
         assert req.prefix_len == plan.prefix_len <= plan.matched_tokens < len(tokens)
         assert plan.matched_tokens % self.page_size == 0
@@ -204,10 +205,10 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         if plan.reuses_tail_kv and request_config(self.config, req).kv_mode == "exact":
             # the replayed tail's slots are the tree's slots right after the request's prefix
             path = self.cache.path_device_indices(req.last_node)
-            assert torch.equal(req.tail_replay_kv_slots, path[plan.prefix_len:plan.matched_tokens])
-            assert len(req.tail_replay_kv_slots) == plan.replayed_tokens
+            assert torch.equal(record_of(req).kv_slots, path[plan.prefix_len:plan.matched_tokens])
+            assert len(record_of(req).kv_slots) == plan.replayed_tokens
         else:
-            assert req.tail_replay_kv_slots is None
+            assert record_of(req).kv_slots is None
         new = self.alloc.alloc(need)
         row = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
         self.pool.write((req.kv.req_pool_idx, slice(0, len(tokens))), row.to(torch.int32))
@@ -242,7 +243,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         req.pinned_path = self.path(req.last_node)  # the lock moved to the inserted node
         added = set(self.state_depths()) - before
         if not exact:
-            assert not added, f"a {req.tail_replay.kind} request published a state"
+            assert not added, f"a {plan_of(req).kind} request published a state"
         for slot in added:
             depth = self.state_depths()[slot]
             assert depth == req.extend_end, \

@@ -4,7 +4,6 @@ cases, window clamping, config errors that name the key, and a hypothesis proper
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 
@@ -277,7 +276,7 @@ def test_direct_construction_validates():
 
 def test_config_is_frozen():
     cfg = TailReplayConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.budget = 0.5  # type: ignore[misc]
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tail_replay.test_cache_pools import A, Harness, floor_page, seq
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.own_tail import own_slots, own_tail_end
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
+from sglang_ext.tail_replay.request import plan_of, record_of
+from tests.tail_replay.test_cache_pools import A, Harness, floor_page, seq
 
 RECOMPUTE = TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="recompute")
 EXACT = TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="exact")
@@ -42,7 +43,7 @@ def test_recompute_keeps_the_requests_tail_kv_through_chunks_and_decode(page):
     req = h.admit(tokens)
     L = floor_page(30, page)
     P = floor_page(L - 4, page)
-    assert req.tail_replay == ReplayPlan(HitKind.APPROXIMATE, L, P, P)
+    assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, L, P, P)
     recomputed = row(h, req, P, L)              # fresh slots, not the tree's
     assert recomputed == seq(41, L - P)
     # chunked prefill: a checkpoint inside the tail, then one after it
@@ -68,7 +69,7 @@ def test_recompute_keeps_the_requests_tail_kv_through_chunks_and_decode(page):
     assert row(h, req, P, L) == recomputed      # decode still reads the recomputed tail KV
     free_before = h.alloc.available_size()
     h.finish(req)
-    assert req.tail_replay_own_kv is None
+    assert record_of(req).own_kv is None
     assert h.alloc.available_size() >= free_before + len(recomputed)
     h.assert_no_leak()
     assert not set(recomputed) & set(h.tree_kv())   # never inserted
@@ -91,7 +92,7 @@ def test_recompute_exact_replay_owns_the_whole_replayed_match():
     h = Harness(1, RECOMPUTE)
     h.run(A)
     req = h.admit(A[:30] + seq(6000, 10), overrides={"min_replay_tokens": 64, "max_replay_tokens": 64})
-    assert req.tail_replay == ReplayPlan(HitKind.EXACT_REPLAY, 30, 0, 0)
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_REPLAY, 30, 0, 0)
     recomputed = row(h, req, 0, 30)
     h.finish(req, output=(1, 2))
     assert not set(recomputed) & set(h.tree_kv())

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ext import env
-from sglang_ext.tail_replay.config import (RequestLimits, TailReplayConfig, TailReplayConfigError,
-                                           request_overrides)
-from sglang_ext.tail_replay.startup import (ServerFacts, StartupError, check_scheduler_start, check_start,
-                                            kv_cache_is_quantized, request_limits, summary_line)
+from sglang_ext.tail_replay import config as config_module
+from sglang_ext.tail_replay import server_config
+from sglang_ext.tail_replay.config import RequestLimits, TailReplayConfig, TailReplayConfigError, request_overrides
+from sglang_ext.tail_replay.startup import ServerFacts, StartupError, check_scheduler_start, check_start, kv_cache_is_quantized, request_limits, summary_line
 
 BASE = TailReplayConfig()
 NO_CKPT = TailReplayConfig(keep_checkpoints=False)
@@ -119,11 +119,11 @@ def test_server_config_is_parsed_once_per_process(monkeypatch, tmp_path):
     path = tmp_path / "tr.json"
     path.write_text('{"budget": 0.25}')
     monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, str(path))
-    env._parsed_tail_replay_config.cache_clear()
-    first = env.read_tail_replay_config()
+    config_module._parsed.cache_clear()
+    first = server_config()
     path.write_text('{"budget": 0.5}')            # not re-read: the config is fixed at start-up
-    assert env.read_tail_replay_config() is first and first.budget == 0.25
-    assert env._parsed_tail_replay_config.cache_info().misses == 1
+    assert server_config() is first and first.budget == 0.25
+    assert config_module._parsed.cache_info().misses == 1
     monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, '{"budget": 0.125}')
-    assert env.read_tail_replay_config().budget == 0.125
-    env._parsed_tail_replay_config.cache_clear()
+    assert server_config().budget == 0.125
+    config_module._parsed.cache_clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sglang_ext.tail_replay import record_of
+
 
 def tree_nodes(cache) -> list:
     """(node, depth in tokens) for every node of `cache`'s tree but the root."""
@@ -23,7 +25,8 @@ def assert_slots_accounted(cache, pool, alloc, running, kv_total: int, mamba_tot
     for req in running:
         row = pool.req_to_token[req.kv.req_pool_idx]
         req_kv += row[req.kv.cache_protected_len:req.kv.kv_allocated_len].tolist()
-        own = getattr(req, "tail_replay_own_kv", None)   # kv_mode "recompute": the request's tail KV
+        record = record_of(req)
+        own = None if record is None else record.own_kv   # kv_mode "recompute": the request's tail KV
         if own is not None:
             req_kv += own[1].tolist()
     held = free_kv + tree_kv + req_kv

@@ -1,0 +1,71 @@
+"""Tail-Replay's per-request record: everything the wing keeps about one request, in one place.
+
+SGLang's scheduler-side request (`Req`) carries it under a single attribute, `RECORD_ATTR`, reached
+only through `record_of(req)` / `attach(req, config)`; nothing else of Tail-Replay is stored on the
+request. Pure: no SGLang import (the request is duck-typed), no torch import at run time.
+
+Life of a record (scheduler process):
+- created at the request's first prefix match (`tail_replay.cache`), with the request's config
+  resolved once (server config + `custom_params["tail_replay"]`); a re-match (after retraction)
+  keeps the record and its config, and replaces the plan and the tail's slots;
+- read by the forward (`patches/tail_replay_batch.py`: tail rows and slots, metrics at the first
+  forward), the output (`patches/tail_replay_meta.py`) and the cache (`tail_replay.cache`,
+  `tail_replay.own_tail`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sglang_ext.tail_replay.config import TailReplayConfig
+from sglang_ext.tail_replay.planner import ReplayPlan
+
+if TYPE_CHECKING:
+    import torch
+
+#: the one attribute of SGLang's `Req` that holds the record
+RECORD_ATTR = "sglang_ext_tail_replay"
+
+
+@dataclass
+class TailReplayRequest:
+    """Mutable per-request state (one per request, scheduler process)."""
+
+    #: the request's config: the server's, with its `custom_params["tail_replay"]` overrides
+    config: TailReplayConfig
+    #: how its prefix hit is reused (set at match; None before the first match)
+    plan: ReplayPlan | None = None
+    #: exact KV mode: the tree's KV slots of the replayed tail [plan.prefix_len, plan.matched_tokens)
+    kv_slots: torch.Tensor | None = None
+    #: whether the plan went into the metrics already (once per request, at its first forward)
+    recorded: bool = False
+    #: set by `prepare_for_caching_req`, read and reset by `cleanup_after_caching_req`: the
+    #: request's state was kept out of the tree
+    state_withheld: bool = False
+    #: kv_mode "recompute": up to where the request's tail KV is its own (L), else None
+    own_end: int | None = None
+    #: kv_mode "recompute": (first position, KV slots) the request holds as its own tail
+    own_kv: tuple[int, torch.Tensor] | None = None
+
+
+def record_of(req: Any) -> TailReplayRequest | None:
+    """The request's record, or None (a request Tail-Replay has not matched, or any request of a
+    server without the backend)."""
+    return getattr(req, RECORD_ATTR, None)
+
+
+def attach(req: Any, config: TailReplayConfig) -> TailReplayRequest:
+    """The request's record, created with `config` if it has none (an existing record keeps the
+    config it was created with: a request's config is resolved once)."""
+    record = record_of(req)
+    if record is None:
+        record = TailReplayRequest(config=config)
+        setattr(req, RECORD_ATTR, record)
+    return record
+
+
+def plan_of(req: Any) -> ReplayPlan | None:
+    """The request's plan, or None."""
+    record = record_of(req)
+    return None if record is None else record.plan
