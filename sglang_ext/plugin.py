@@ -74,10 +74,17 @@ def selects_sae(server_args: Any) -> bool:
 
 def check_main_process(server_args: Any) -> list[str]:
     """Parse the server's Tail-Replay config and check it against the flags; raise ValueError
-    (TailReplayConfigError / StartupError) naming the key or both flags; return the summary."""
-    from sglang_ext.tail_replay import check_start, facts_from_server_args, server_config
+    (TailReplayConfigError / StartupError) naming the key or both flags; return the summary.
+    A local model folder's decay.json becomes the config's `decay_profile` (for budget "auto")."""
+    from sglang_ext.env import export_tail_replay_config, tail_replay_config_text
+    from sglang_ext.tail_replay import check_start, facts_from_server_args, server_config, with_model_profile
 
-    return check_start(server_config(), facts_from_server_args(server_args))
+    facts = facts_from_server_args(server_args)
+    text = tail_replay_config_text()
+    resolved = with_model_profile(text, facts.model_path)
+    if resolved != text and resolved is not None:
+        export_tail_replay_config(resolved)   # every process SGLang starts from here on sees it
+    return check_start(server_config(), facts)
 
 
 def _apply(mode: str) -> None:

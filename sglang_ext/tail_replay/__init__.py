@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_ext.tail_replay.config import (
+    AUTO,
     BACKEND_NAME,
     DEFAULTS,
     KV_MODES,
@@ -55,6 +56,8 @@ from sglang_ext.tail_replay.config import (
     parse_config,
     request_overrides,
     server_config,
+    user_settings,
+    with_model_profile,
     with_overrides,
 )
 from sglang_ext.tail_replay.metrics import (
@@ -80,7 +83,7 @@ _FROM_CACHE = ("TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_
 __all__ = [
     "BACKEND_NAME", "DEFAULTS", "KV_MODES", "REQUEST_PARAM_KEY", "RequestLimits", "TailReplayConfig",
     "TailReplayConfigError", "config_from_dict", "parse_config", "request_overrides", "server_config",
-    "with_overrides",
+    "with_overrides", "user_settings", "with_model_profile", "AUTO",
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
     "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of",
     "META_KEY", "is_recording_rank", "plan_summary", "record_first_forward", "record_plan",

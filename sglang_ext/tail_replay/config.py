@@ -16,16 +16,25 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sglang_ext.env import tail_replay_config_text
+from sglang_ext.tail_replay.decay_profile import (
+    PERCENTILES,
+    DecayProfile,
+    DecayProfileError,
+    default_profile_path,
+    load_profile,
+)
 
 #: `--radix-cache-backend` name of Tail-Replay
 BACKEND_NAME = "tail_replay"
 KV_MODES = ("exact", "recompute")
 #: per-request overrides: `sampling_params.custom_params["tail_replay"] = {"budget": 0.1, ...}`
 REQUEST_PARAM_KEY = "tail_replay"
+#: `budget: "auto"`: the window certified by the model's decay profile (tail_replay/decay_profile.py)
+AUTO = "auto"
 
 
 class TailReplayConfigError(ValueError):
@@ -34,8 +43,9 @@ class TailReplayConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TailReplayConfig:
-    #: replay window W as a fraction of the matched length L (W = budget * L, clamped below)
-    budget: float = 0.05
+    #: replay window W as a fraction of the matched length L (W = budget * L, clamped below), or
+    #: "auto": the W the model's decay profile certifies for `tolerance` (clamped below)
+    budget: float | str = 0.05
     #: W is at least this many tokens ...
     min_replay_tokens: int = 64
     #: ... and at most this many
@@ -48,9 +58,23 @@ class TailReplayConfig:
     #: "recompute": the replayed tail's attention KV is recomputed (approximate) too, and the request
     #: attends to its recomputed tail KV in prefill and decode; the tree keeps its exact KV
     kv_mode: str = "exact"
+    #: budget "auto": the replayed state's relative error bound to certify, in (0, 1)
+    tolerance: float = 0.01
+    #: budget "auto": which per-token decay percentile of the slowest head the bound uses
+    decay_percentile: int = 90
+    #: the decay profile file (default: decay.json in the model folder, found at start-up)
+    decay_profile: str | None = None
+    #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
+    profile: DecayProfile | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check(0.0 <= self.budget <= 1.0, "budget", f"must be in [0, 1], got {self.budget}")
+        if isinstance(self.budget, str):
+            _check(self.budget == AUTO, "budget", f"must be a number in [0, 1] or {AUTO!r}, got {self.budget!r}")
+        else:
+            _check(0.0 <= self.budget <= 1.0, "budget", f"must be in [0, 1] or {AUTO!r}, got {self.budget}")
+        _check(0.0 < self.tolerance < 1.0, "tolerance", f"must be in (0, 1), got {self.tolerance}")
+        _check(self.decay_percentile in PERCENTILES, "decay_percentile",
+               f"must be one of {PERCENTILES}, got {self.decay_percentile!r}")
         _check(self.min_replay_tokens >= 0, "min_replay_tokens", f"must be >= 0, got {self.min_replay_tokens}")
         _check(self.max_replay_tokens >= self.min_replay_tokens, "max_replay_tokens",
                f"must be >= min_replay_tokens ({self.min_replay_tokens}), got {self.max_replay_tokens}")
@@ -58,8 +82,12 @@ class TailReplayConfig:
         _check(self.kv_mode in KV_MODES, "kv_mode", f"must be one of {KV_MODES}, got {self.kv_mode!r}")
 
 
-_TYPES: dict[str, type | tuple[type, ...]] = {"budget": (int, float), "min_replay_tokens": int, "max_replay_tokens": int,
-                                               "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str}
+_TYPES: dict[str, type | tuple[type, ...]] = {
+    "budget": (int, float, str), "min_replay_tokens": int, "max_replay_tokens": int,
+    "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
+    "tolerance": (int, float), "decay_percentile": int, "decay_profile": str}
+#: keys a request may not set (a file path is the server's business)
+_SERVER_ONLY = ("decay_profile",)
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -72,7 +100,7 @@ DEFAULTS = TailReplayConfig()
 
 
 def _check_fields(raw: dict) -> None:
-    known = {f.name for f in fields(TailReplayConfig)}
+    known = set(_TYPES)
     for key, value in raw.items():
         _check(key in known, key, f"unknown key; known keys: {sorted(known)}")
         expected = _TYPES[key]
@@ -80,9 +108,24 @@ def _check_fields(raw: dict) -> None:
         _check(isinstance(value, expected) and not wrong_bool, key, f"has the wrong type ({value!r})")
 
 
+def _with_profile(config: TailReplayConfig) -> TailReplayConfig:
+    """Read the profile `decay_profile` names (once per process and path)."""
+    if config.decay_profile is None:
+        return config
+    try:
+        return replace(config, profile=load_profile(config.decay_profile))
+    except DecayProfileError as exc:
+        raise TailReplayConfigError(f"tail-replay config key 'decay_profile': {exc}") from None
+
+
 def config_from_dict(raw: dict) -> TailReplayConfig:
     _check_fields(raw)
-    return TailReplayConfig(**raw)
+    return _with_profile(TailReplayConfig(**raw))
+
+
+def user_settings(config: TailReplayConfig) -> dict:
+    """The config's keys and values as a user writes them (no derived fields)."""
+    return {name: getattr(config, name) for name in _TYPES}
 
 
 def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfig:
@@ -92,7 +135,12 @@ def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfi
     if not isinstance(overrides, dict):
         raise TailReplayConfigError(f"custom_params[{REQUEST_PARAM_KEY!r}] must be a JSON object")
     _check_fields(overrides)
-    return replace(base, **overrides)
+    for key in _SERVER_ONLY:
+        _check(key not in overrides, key, "is a server setting; a request cannot set it")
+    config = replace(base, **overrides)
+    _check(config.budget != AUTO or config.profile is not None, "budget",
+           f"{AUTO!r} needs the model's decay profile, and this server has none")
+    return config
 
 
 #: how the fields a request can set are named in errors
@@ -170,3 +218,15 @@ def parse_config(text: str | None) -> TailReplayConfig:
     if not isinstance(raw, dict):
         raise TailReplayConfigError("tail-replay config must be a JSON object")
     return config_from_dict(raw)
+
+
+def with_model_profile(text: str | None, model_path: str) -> str | None:
+    """The config text, plus `decay_profile` = the model folder's decay.json when the config names
+    none and the folder has one (so `budget: "auto"` works, also per request); else `text`."""
+    config = parse_config(text)
+    path = default_profile_path(model_path) if config.decay_profile is None else None
+    if path is None:
+        return text
+    settings = {k: v for k, v in user_settings(config).items() if v is not None}
+    return json.dumps({**settings, "decay_profile": path})
+

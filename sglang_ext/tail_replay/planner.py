@@ -16,7 +16,8 @@ import enum
 import math
 from dataclasses import dataclass
 
-from sglang_ext.tail_replay.config import TailReplayConfig
+from sglang_ext.tail_replay.config import AUTO, TailReplayConfig
+from sglang_ext.tail_replay.decay_profile import certified_window
 
 
 class HitKind(str, enum.Enum):
@@ -50,8 +51,15 @@ class ReplayPlan:
 
 
 def replay_window(matched_len: int, config: TailReplayConfig) -> int:
-    """W = clamp(ceil(budget * L), min_replay_tokens, max_replay_tokens)."""
-    wanted = math.ceil(config.budget * matched_len)
+    """W = clamp(ceil(budget * L), min_replay_tokens, max_replay_tokens); with budget "auto", the
+    window the decay profile certifies for `tolerance` (none: max_replay_tokens), clamped alike."""
+    if config.budget == AUTO:
+        if config.profile is None:
+            raise ValueError("budget 'auto' needs a decay profile (config.profile)")
+        certified = certified_window(config.profile.decay(config.decay_percentile), config.tolerance)
+        wanted = config.max_replay_tokens if certified is None else certified
+    else:
+        wanted = math.ceil(float(config.budget) * matched_len)
     return min(max(wanted, config.min_replay_tokens), config.max_replay_tokens)
 
 

@@ -16,10 +16,11 @@ the summary on TP rank 0. No SGLang import here: the adapters read duck-typed SG
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from sglang_ext.tail_replay.config import RequestLimits, TailReplayConfig
+from sglang_ext.tail_replay.config import AUTO, RequestLimits, TailReplayConfig, user_settings
+from sglang_ext.tail_replay.decay_profile import PROFILE_FILE, certified_window
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class StartupError(ValueError):
 class ServerFacts:
     #: `--kv-cache-dtype` (main process) or the dtype SGLang resolved for the KV pool (scheduler)
     kv_cache_dtype: str = "auto"
+    #: `--model-path` (where `budget: "auto"` looks for the decay profile)
+    model_path: str = ""
 
 
 def kv_cache_is_quantized(kv_cache_dtype: str) -> bool:
@@ -64,6 +67,11 @@ def check_start(config: TailReplayConfig, facts: ServerFacts) -> list[str]:
             "Tail-Replay config kv_mode 'exact' (the default), which copies the tree's cached K/V into "
             "the forward unquantized; set kv_mode 'recompute' in --tail-replay-config / "
             "SGLANG_EXT_TAIL_REPLAY_CONFIG, or use an unquantized --kv-cache-dtype")
+    if config.budget == AUTO and config.profile is None:
+        raise StartupError(
+            f"the Tail-Replay config budget {AUTO!r} needs the model's decay profile, and there is none: "
+            f"no {PROFILE_FILE} in --model-path {facts.model_path!r} and no 'decay_profile' key (write one with "
+            f"`python -m eval.training.decay --model {facts.model_path or 'MODEL_DIR'}`)")
     return [summary_line(config, facts)]
 
 
@@ -80,7 +88,13 @@ def check_flag_names_kv_dtype(flag: ServerFacts, resolved: ServerFacts) -> None:
 
 
 def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
-    settings = " ".join(f"{f.name}={getattr(config, f.name)!r}" for f in fields(config))
+    settings = " ".join(f"{k}={v!r}" for k, v in user_settings(config).items())
+    if config.profile is not None:
+        decay = config.profile.decay(config.decay_percentile)
+        window = certified_window(decay, config.tolerance)
+        settings += (f"; decay profile: slowest head's p{config.decay_percentile} decay {decay:.5f}, "
+                     f"certified window for tolerance {config.tolerance:g}: "
+                     f"{'none (a head that does not forget)' if window is None else f'{window} tokens'}")
     limits = request_limits(config, facts)
     reasons = [f"keep_checkpoints=true ({limits.checkpoints_refused})" if limits.checkpoints_refused else None,
                f"kv_mode='exact' ({limits.exact_kv_refused})" if limits.exact_kv_refused else None]
@@ -93,7 +107,8 @@ def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
 
 def facts_from_server_args(server_args: Any) -> ServerFacts:
     """Facts from SGLang's ServerArgs (flags as given; main process or tokenizer)."""
-    return ServerFacts(kv_cache_dtype=str(getattr(server_args, "kv_cache_dtype", None) or "auto"))
+    return ServerFacts(kv_cache_dtype=str(getattr(server_args, "kv_cache_dtype", None) or "auto"),
+                       model_path=str(getattr(server_args, "model_path", None) or ""))
 
 
 def check_scheduler_start(ctx: Any, config: TailReplayConfig) -> None:
@@ -102,7 +117,8 @@ def check_scheduler_start(ctx: Any, config: TailReplayConfig) -> None:
     flag = facts_from_server_args(ctx.server_args)
     runner = getattr(getattr(ctx, "tp_worker", None), "model_runner", None)
     resolved = getattr(runner, "kv_cache_dtype", None)
-    facts = ServerFacts(kv_cache_dtype=str(resolved).removeprefix("torch.")) if resolved is not None else flag
+    facts = (ServerFacts(kv_cache_dtype=str(resolved).removeprefix("torch."), model_path=flag.model_path)
+             if resolved is not None else flag)
     lines = check_start(config, facts)
     check_flag_names_kv_dtype(flag, facts)
     if getattr(ctx, "tp_rank", 0) == 0:

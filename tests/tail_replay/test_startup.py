@@ -26,7 +26,7 @@ FP8 = ServerFacts(kv_cache_dtype="fp8_e4m3")
     ({"tail_replay": "x"}, "sampling_params.custom_params['tail_replay'] must be a JSON object, got str"),
     ({"tail_replay": [1]}, "sampling_params.custom_params['tail_replay'] must be a JSON object, got list"),
     ({"tail_replay": {"window": 3}}, "['tail_replay']: tail-replay config key 'window': unknown key"),
-    ({"tail_replay": {"budget": "0.1"}}, "'budget': has the wrong type"),
+    ({"tail_replay": {"budget": "0.1"}}, "'budget': must be a number in [0, 1] or 'auto'"),
     ({"tail_replay": {"keep_checkpoints": 1}}, "'keep_checkpoints': has the wrong type"),
     ({"tail_replay": {"budget": 1.5}}, "'budget': must be in [0, 1]"),
     ({"tail_replay": {"min_replay_tokens": -1}}, "'min_replay_tokens': must be >= 0"),
