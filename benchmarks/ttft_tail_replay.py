@@ -306,7 +306,7 @@ def run(args) -> int:
                     doc_stock, doc_tail = prompts.tokens(L), prompts.tokens(L)
                     warm, q_stock, q5, q10 = prompts.suffixes(n, 4)
 
-                    def measure(config, server, ids, overrides=None):
+                    def measure(config, server, ids, overrides=None, L=L, n=n, rep=rep):
                         rec = timed_generate(server, ids, overrides)
                         rec.update(config=config, L=L, n=n, rep=rep)
                         if config in configs:

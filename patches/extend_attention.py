@@ -18,8 +18,6 @@ output layout. With no prefix and no window it is the original call (`is_causal=
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -32,7 +30,7 @@ MASK_ELEMENTS = 1 << 24
 original_run_sdpa_forward_extend = None
 
 
-def _visible_mask(q_start: int, q_end: int, kv_end: int, window: Optional[int], device) -> torch.Tensor:
+def _visible_mask(q_start: int, q_end: int, kv_end: int, window: int | None, device) -> torch.Tensor:
     """[q, k] bool: query at absolute position q sees key k iff k <= q (and k >= q - window)."""
     q_pos = torch.arange(q_start, q_end, device=device).unsqueeze(1)
     k_pos = torch.arange(kv_end, device=device).unsqueeze(0)
@@ -53,12 +51,12 @@ def run_sdpa_forward_extend(
     seq_lens: torch.Tensor,
     extend_prefix_lens: torch.Tensor,
     extend_seq_lens: torch.Tensor,
-    encoder_lens: Optional[torch.Tensor] = None,
+    encoder_lens: torch.Tensor | None = None,
     scaling=None,
     enable_gqa=False,
     causal=False,
     is_cross_attn=False,
-    sliding_window_size: Optional[int] = None,
+    sliding_window_size: int | None = None,
 ):
     """Same arguments and result as SGLang's; query/output are [num_tokens, num_heads, head_size]."""
     assert seq_lens.shape[0] == extend_prefix_lens.shape[0] == extend_seq_lens.shape[0]

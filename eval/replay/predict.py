@@ -21,9 +21,9 @@ import sys
 from dataclasses import replace
 
 from eval.replay.cli import DEFAULT_TRACE_ROOT, _resolve_trace
+from eval.trace_sim.ablations import make_sim_policy
 from eval.trace_sim.cost_model import DEFAULT_COST_MODEL, load_cost_model
 from eval.trace_sim.loaders import KvLoadOptions, load_kv_cache_tester, load_mooncake
-from eval.trace_sim.ablations import make_sim_policy
 from eval.trace_sim.simulate import prepare, replay
 from eval.trace_sim.trace import NO_BLOCK
 

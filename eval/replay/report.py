@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -5,8 +5,8 @@ simulator's policy choices are ``SIM_POLICIES`` = the product policies plus thes
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 from sglang_ext.eviction import POLICY_REGISTRY, EvictionPolicy, SAEAblation, SAEConfig, SAEPolicy, SAEState
 

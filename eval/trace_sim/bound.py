@@ -12,7 +12,7 @@ whose arrival forecasts have that spread (see docs/saecache.md, section 5).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

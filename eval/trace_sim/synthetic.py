@@ -101,7 +101,7 @@ class _Builder:
         path = [("system", system, i) for i in range(mix.system_blocks)]
         types = ["system"] * mix.system_blocks
         appended = ("user", mix.query_blocks)
-        for turn in range(64):
+        for _turn in range(64):
             path, types = _extend(path, types, sid, appended)
             prompt_last = self.table.intern_path(path, types)
             tool_call = self.rng.random() < mix.tool_call_share

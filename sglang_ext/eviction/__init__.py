@@ -4,8 +4,9 @@ registered here; the simulator adds them (``eval/trace_sim/ablations.py``). Pure
 
 from __future__ import annotations
 
-from .base import (NEVER, POLICY_REGISTRY, TOKEN_TYPES, EntryInfo, EvictionPolicy, Key,
-                   LazyMinHeap, PriorityPolicy, RequestInfo, register)
+from typing import Any
+
+from .base import NEVER, POLICY_REGISTRY, TOKEN_TYPES, EntryInfo, EvictionPolicy, Key, LazyMinHeap, PriorityPolicy, RequestInfo, register
 from .belady import BeladyPolicy
 from .lfu import LFUPolicy
 from .lru import LRUPolicy
@@ -15,12 +16,12 @@ from .slru import SLRUConfig, SLRUPolicy
 from .tlru import TLRUConfig, TLRUPolicy
 
 
-def make_policy(name: str, **kwargs) -> EvictionPolicy:
+def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
     """Instantiate a registered policy by name (see ``POLICY_REGISTRY``)."""
     try:
         cls = POLICY_REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICY_REGISTRY)}")
+        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICY_REGISTRY)}") from None
     return cls(**kwargs)
 
 

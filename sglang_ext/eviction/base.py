@@ -12,11 +12,14 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Hashable, KeysView
 from dataclasses import dataclass
-from typing import ClassVar, Hashable
+from typing import Any, ClassVar
 
 Key = Hashable
 NEVER = float("inf")
+#: a policy's sort key for an entry (numbers or tuples of them; smallest is evicted first)
+Priority = Any
 
 TOKEN_TYPES = ("system", "user", "tool_output", "response", "reasoning", "tool_call",
                "unknown")
@@ -98,7 +101,7 @@ class LazyMinHeap:
     def __contains__(self, key: Key) -> bool:
         return key in self._live
 
-    def set(self, key: Key, priority) -> None:
+    def set(self, key: Key, priority: Priority) -> None:
         entry = (priority, next(self._order), key)
         self._live[key] = entry
         heapq.heappush(self._heap, entry)
@@ -112,7 +115,7 @@ class LazyMinHeap:
         entry = self.peek_entry()
         return None if entry is None else entry[2]
 
-    def peek_entry(self) -> tuple | None:
+    def peek_entry(self) -> tuple[Any, ...] | None:
         heap, live = self._heap, self._live
         while heap and live.get(heap[0][2]) is not heap[0]:
             heapq.heappop(heap)
@@ -126,7 +129,7 @@ class LazyMinHeap:
         del self._live[entry[2]]
         return entry[2]
 
-    def keys(self):
+    def keys(self) -> KeysView[Key]:
         return self._live.keys()
 
     def _compact(self) -> None:
@@ -145,7 +148,7 @@ class PriorityPolicy(EvictionPolicy):
         self._evictable: dict[Key, None] = {}  # dict: deterministic iteration
 
     @abstractmethod
-    def priority(self, key: Key):
+    def priority(self, key: Key) -> Priority:
         """Sort key of an entry; smallest goes first. Must not mutate anything."""
 
     def _forget(self, key: Key) -> None:

@@ -7,7 +7,7 @@ the deeper one (larger ``start_token``) goes first, then FIFO.
 
 from __future__ import annotations
 
-from .base import NEVER, EntryInfo, Key, PriorityPolicy, RequestInfo, register
+from .base import NEVER, EntryInfo, Key, Priority, PriorityPolicy, RequestInfo, register
 
 
 @register
@@ -20,14 +20,14 @@ class BeladyPolicy(PriorityPolicy):
         self._next_use: dict[Key, float] = {}
         self._start: dict[Key, int] = {}
 
-    def priority(self, key: Key):
+    def priority(self, key: Key) -> Priority:
         return (-self._next_use[key], -self._start[key])
 
-    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._next_use[key] = next_use
         self._start[key] = info.start_token
 
-    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._next_use[key] = next_use
         self._refresh(key)
 

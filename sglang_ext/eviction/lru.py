@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import NEVER, EntryInfo, Key, PriorityPolicy, RequestInfo, register
+from .base import NEVER, EntryInfo, Key, Priority, PriorityPolicy, RequestInfo, register
 
 
 @register
@@ -13,13 +13,13 @@ class LRUPolicy(PriorityPolicy):
         super().__init__()
         self._last_access: dict[Key, float] = {}
 
-    def priority(self, key: Key):
+    def priority(self, key: Key) -> Priority:
         return self._last_access[key]
 
-    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._last_access[key] = request.time
 
-    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._last_access[key] = request.time
         self._refresh(key)
 

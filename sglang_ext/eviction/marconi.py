@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import NEVER, EntryInfo, Key, PriorityPolicy, RequestInfo, register
+from .base import NEVER, EntryInfo, Key, Priority, PriorityPolicy, RequestInfo, register
 
 
 @dataclass(frozen=True)
@@ -33,15 +33,15 @@ class MarconiPolicy(PriorityPolicy):
         self._time_origin, self._time_span, self._efficiency_max = 0.0, 1.0, 1.0
         self._decisions = 0
 
-    def priority(self, key: Key):
+    def priority(self, key: Key) -> Priority:
         recency = (self._last_access[key] - self._time_origin) / self._time_span
         return recency + self.config.alpha * self._efficiency[key] / self._efficiency_max
 
-    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._last_access[key] = request.time
         self._efficiency[key] = _efficiency(info)
 
-    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._last_access[key] = request.time
         self._efficiency[key] = _efficiency(info)
         self._refresh(key)

@@ -25,8 +25,8 @@ import math
 import time
 from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 from .base import TOKEN_TYPES, EntryInfo, RequestInfo
 from .sae import SAEConfig, SAEConfigError, SAEPolicy
@@ -429,7 +429,7 @@ class ServerSAE:
         out = {"model_win_rate": state.model_win_rate, "horizon_s": state.horizon_s}
         for klass, stats in state.classes.items():
             queue, st = klass
-            name = f"{queue}/{st if isinstance(st, str) else '%s:%d' % tuple(st)}"
+            name = f"{queue}/{st if isinstance(st, str) else f'{st[0]}:{st[1]:d}'}"
             out[f"median_reuse_s[{name}]"] = math.exp(stats.reuse_time.mu)
             out[f"reuse_prob[{name}]"] = stats.reuse_prob
         return out

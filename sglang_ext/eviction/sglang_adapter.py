@@ -16,12 +16,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Optional
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from .serving import (PathNode, SAERequest, ServerSAE, content_keys, parse_request,
-                      parse_server_config)
+from .serving import PathNode, SAERequest, ServerSAE, content_keys, parse_request, parse_server_config
 
 logger = logging.getLogger(__name__)
 POLICY_NAME = "sae"
@@ -42,7 +40,7 @@ class SAEStrategy(EvictionStrategy):
         return node.last_access_time
 
 
-def strategy_of(tree_core) -> Optional[SAEStrategy]:
+def strategy_of(tree_core) -> SAEStrategy | None:
     strategy = getattr(tree_core, "eviction_strategy", None)
     return strategy if isinstance(strategy, SAEStrategy) else None
 

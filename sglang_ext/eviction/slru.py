@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import NEVER, EntryInfo, Key, PriorityPolicy, RequestInfo, register
+from .base import NEVER, EntryInfo, Key, Priority, PriorityPolicy, RequestInfo, register
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,15 @@ class SLRUPolicy(PriorityPolicy):
         self._hits: dict[Key, int] = {}
         self._last_access: dict[Key, float] = {}
 
-    def priority(self, key: Key):
+    def priority(self, key: Key) -> Priority:
         protected = self._hits[key] >= self.config.protected_threshold
         return (int(protected), self._last_access[key])
 
-    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._hits[key] = 0
         self._last_access[key] = request.time
 
-    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._hits[key] += 1
         self._last_access[key] = request.time
         self._refresh(key)

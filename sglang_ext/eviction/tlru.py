@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import NEVER, EntryInfo, Key, PriorityPolicy, RequestInfo, register
+from .base import NEVER, EntryInfo, Key, Priority, PriorityPolicy, RequestInfo, register
 
 
 @dataclass(frozen=True)
@@ -31,19 +31,19 @@ class TLRUPolicy(PriorityPolicy):
         self._history_len: dict[Key, int] = {}
         self._start: dict[Key, int] = {}
 
-    def priority(self, key: Key):
+    def priority(self, key: Key) -> Priority:
         return (0 if self._tel_safe(key) else 1, self._last_access[key])
 
     def _tel_safe(self, key: Key) -> bool:
         budget = self._history_len[key] + self.config.next_prompt_estimate - self.config.threshold
         return self._start[key] >= max(budget, 0)
 
-    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def admit(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._start[key] = info.start_token
         self._history_len[key] = max(request.prompt_tokens, info.start_token + info.n_tokens)
         self._last_access[key] = request.time
 
-    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use=NEVER) -> None:
+    def touch(self, key: Key, info: EntryInfo, request: RequestInfo, next_use: float = NEVER) -> None:
         self._history_len[key] = max(self._history_len[key], request.prompt_tokens)
         self._last_access[key] = request.time
         self._refresh(key)

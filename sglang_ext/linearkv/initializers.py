@@ -17,8 +17,8 @@ predecessor chunk's own last inputs, so `compose` uses the predecessor's window)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -62,7 +62,10 @@ def _compose(c: LayerChunks, j: int) -> Seed:
     if j == 0:
         return c.start()
     init = c.prefix.state if c.prefix is not None else None
-    state = ops.compose(c.kind, [s.state for s in c.chunks[:j]], [s.transition for s in c.chunks[:j]], init)
+    transitions = [s.transition for s in c.chunks[:j]]
+    if any(t is None for t in transitions):
+        raise ValueError("exact composition needs every chunk's transition (register chunks with transitions)")
+    state = ops.compose(c.kind, [s.state for s in c.chunks[:j]], [t for t in transitions if t is not None], init)
     return Seed(state.to(c.chunks[j - 1].state.dtype), c.chunks[j - 1].conv)
 
 

@@ -9,7 +9,7 @@ M [H, dk, dk]; Mamba-2 h [H, head_dim, d_state] with h -> a h + s, a [H]. Compos
 from __future__ import annotations
 
 import importlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 

@@ -13,8 +13,8 @@ Spec strings: "none", "epic-16", "cacheblend-0.15" (also "cacheblend-15" meaning
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -17,8 +17,8 @@ with the wrong model is refused with an error naming both.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 
@@ -102,7 +102,7 @@ class ChunkStore:
         self._entries[entry.chunk_id] = entry
         return entry.chunk_id
 
-    def get(self, ref: "str | ChunkEntry") -> ChunkEntry:
+    def get(self, ref: str | ChunkEntry) -> ChunkEntry:
         """The entry for a chunk id (or a check of an entry handed in directly).
 
         Raises ChunkReferenceError naming the reference when it is unknown, belongs to another

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from eval.reference import greedy_reference, load_reference_model
 from eval.harness import ServerProcess
+from eval.reference import greedy_reference, load_reference_model
 from tests.e2e.serving import NEW_TOKENS, assert_matches_reference, continue_conversation, greedy, random_prompt
 
 SERVER_ARGS = ["--dtype", "float32", "--chunked-prefill-size", "128"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from eval.reference import greedy_reference, load_reference_model
 from eval.harness import ServerProcess
+from eval.reference import greedy_reference, load_reference_model
 from tests.e2e.serving import NEW_TOKENS, assert_matches_reference, greedy, random_prompt
 
 

@@ -8,9 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from eval.reference import greedy_reference, load_reference_model
 from eval.harness import ServerProcess
+from eval.reference import greedy_reference, load_reference_model
 from tests.e2e.serving import NEW_TOKENS, assert_matches_reference, continue_conversation, greedy, metric_total, random_prompt
+
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory):

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from eval.harness import ServerProcess, start_servers, stop_servers
 from sglang_ext.env import PATCH_MODE_VAR, TAIL_REPLAY_CONFIG_VAR
 from sglang_ext.launcher import CPU_DEFAULTS
-from eval.harness import ServerProcess, start_servers, stop_servers
 from tests.e2e.serving import random_prompt
 
 CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16}
@@ -75,7 +75,7 @@ class PluginServer(ServerProcess):
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
                 "--host", "127.0.0.1", "--port", str(self.port), *cpu_flags, *self.extra_args]
 
-    def launch(self) -> "PluginServer":
+    def launch(self) -> PluginServer:
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env=plugin_env(self.boot_dir, CONFIG))

@@ -29,8 +29,8 @@ from unittest import mock
 import pytest
 import requests
 
-from eval.reference import greedy_reference, load_reference_model
 from eval.harness import ServerProcess, start_servers, stop_servers
+from eval.reference import greedy_reference, load_reference_model
 from tests.e2e.serving import LOGPROB_ATOL, assert_matches_reference, random_prompt
 
 DOC, QUESTION, NEW = 240, 10, 12

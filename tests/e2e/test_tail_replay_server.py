@@ -12,8 +12,8 @@ import pytest
 import requests
 import torch
 
-from eval.reference import greedy_reference, load_reference_model, zero_state_reference
 from eval.harness import ServerProcess, start_servers, stop_servers
+from eval.reference import greedy_reference, load_reference_model, zero_state_reference
 from tests.e2e.serving import assert_matches_reference, metric_total, random_prompt
 
 L = 320              # shared prefix (document) length

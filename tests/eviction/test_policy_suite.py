@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eval.trace_sim.synthetic import SyntheticSpec, WorkloadMix, generate
 from eval.trace_sim.ablations import SIM_POLICIES
 from eval.trace_sim.ablations import make_sim_policy as make_policy
+from eval.trace_sim.synthetic import SyntheticSpec, WorkloadMix, generate
 from eval.trace_sim.testing import random_paths, run, trace_from_paths
 from sglang_ext.eviction import EntryInfo, RequestInfo
 

@@ -219,14 +219,14 @@ def test_sessions_declared_ended_that_come_back_are_learned():
 
 def _duel(policy: SAEPolicy, r: int, cost: float, model_right: bool) -> None:
     """The model evicts ("m", r), LRU would have evicted ("l", r); both cost ``cost``."""
-    m, l = ("m", r), ("l", r)
-    for j, key in enumerate((m, l)):
+    m, lru = ("m", r), ("l", r)
+    for j, key in enumerate((m, lru)):
         policy.admit(key, _info("user", cost=cost), _req(10 * r + j, 10.0 * r, session=None))
         policy.set_evictable(key, True)
-    policy.expert.proposals = Proposals(m, l)
+    policy.expert.proposals = Proposals(m, lru)
     policy.evicted(m, None, 10.0 * r + 1)
     if model_right:
-        policy.touch(l, _info("user", cost=cost), _req(10 * r + 5, 10.0 * r + 2, session=None))
+        policy.touch(lru, _info("user", cost=cost), _req(10 * r + 5, 10.0 * r + 2, session=None))
     else:
         policy.admit(m, _info("user", cost=cost), _req(10 * r + 5, 10.0 * r + 2, session=None))
 

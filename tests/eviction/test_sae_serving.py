@@ -8,8 +8,17 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ext.eviction.sae import SAEConfigError
-from sglang_ext.eviction.serving import (PathNode, RequestFieldError, SAERequest, ServerSAE, TypedSpan,
-                                         chat_spans, content_keys, parse_request, parse_server_config)
+from sglang_ext.eviction.serving import (
+    PathNode,
+    RequestFieldError,
+    SAERequest,
+    ServerSAE,
+    TypedSpan,
+    chat_spans,
+    content_keys,
+    parse_request,
+    parse_server_config,
+)
 
 
 # ----- request fields ---------------------------------------------------------------

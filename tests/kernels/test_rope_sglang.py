@@ -3,11 +3,20 @@ and agrees with hybrid_kernels' twin. Needs SGLang; `kernels/run_gpu_checks.sh` 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from sglang.srt.layers.rotary_embedding import base as sglang_rope
 
-from hybrid_kernels.rope import rerotate_keys_ref
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")   # as every module of the suite that loads SGLang
+
+import patches  # noqa: E402
+
+patches.apply_patches("cpu")   # before any SGLang import
+
+from sglang.srt.layers.rotary_embedding import base as sglang_rope  # noqa: E402
+
+from hybrid_kernels.rope import rerotate_keys_ref  # noqa: E402
 
 HEAD, ROT, HEADS, THETA = 32, 8, 3, 10000.0
 

@@ -85,8 +85,9 @@ def test_exact_composition_equals_sequential_prefill(tiny):
 
 
 def test_gdn_transition_trick_equals_product_of_token_matrices():
-    from hybrid_kernels.gdn import gdn_chunk_transition_ref
     from transformers.models.qwen3_next.modeling_qwen3_next import l2norm, torch_chunk_gated_delta_rule
+
+    from hybrid_kernels.gdn import gdn_chunk_transition_ref
 
     g_ = torch.Generator().manual_seed(3)
     for t, h, dk in ((1, 1, 8), (70, 3, 16), (129, 2, 8)):

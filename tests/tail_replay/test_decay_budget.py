@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import math
+import re
 from pathlib import Path
 
 import pytest

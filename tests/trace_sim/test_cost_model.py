@@ -5,8 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from eval.trace_sim.cost_model import (DEFAULT_COST_MODEL, PrefillCostModel, fit_cost_model,
-                                       load_cost_model, save_cost_model)
+from eval.trace_sim.cost_model import DEFAULT_COST_MODEL, PrefillCostModel, fit_cost_model, load_cost_model, save_cost_model
 
 
 def test_fit_recovers_known_parameters():

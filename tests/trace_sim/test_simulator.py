@@ -6,8 +6,8 @@ import pytest
 
 from eval.trace_sim.cost_model import PrefillCostModel
 from eval.trace_sim.simulate import prepare, replay
-from sglang_ext.eviction import BeladyPolicy, LRUPolicy, make_policy
 from eval.trace_sim.testing import random_paths, run, trace_from_paths
+from sglang_ext.eviction import BeladyPolicy, LRUPolicy, make_policy
 
 # A=[1,2,3], B=[1,2,4], A again: the shared prefix (1,2) is one node, 3 and 4 leaves.
 HAND = [[1, 2, 3], [1, 2, 4], [1, 2, 3]]

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _TRITON:
         from hybrid_kernels.gdn import triton_ops
 

@@ -80,7 +80,8 @@ def gdn_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return o, s_vk.transpose(-1, -2), h.transpose(-1, -2)
 
 
-def _one_chunk(q, k, v, g, beta, state):
+def _one_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q (scaled), k [C, H, dk]; v [C, H, dv]; g, beta [C, H]; state [H, dv, dk] -> (o [C, H, dv], state)."""
     q, k, v = (x.transpose(0, 1) for x in (q, k, v))         # [H, C, *]
     g_cum = g.transpose(0, 1).cumsum(-1)                     # [H, C]

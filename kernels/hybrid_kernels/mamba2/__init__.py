@@ -18,7 +18,7 @@ __all__ = ["ScanInputs", "discretize_dt", "expand_groups", "mamba2_chunk_decay_r
            "scan_segment", "scan_sequence", "ssd_step_ref", *_TRITON]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _TRITON:
         from hybrid_kernels.mamba2 import triton_ops
 

@@ -8,7 +8,7 @@ _TRITON = ("rerotate_keys",)
 __all__ = ["rerotate_keys_ref", "rope_inv_freq", *_TRITON]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in _TRITON:
         from hybrid_kernels.rope import triton_ops
 

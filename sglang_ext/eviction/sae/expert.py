@@ -10,7 +10,8 @@ while it wins at least half of the recent weighted duels (``SAEState.model_win_r
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 from ..base import Key, LazyMinHeap
 from .config import SAEAblation, SAEConfig
@@ -113,6 +114,7 @@ class LRUExpert:
         quickly and bias the judge towards LRU. Mutates: duels."""
         if not self._duels:
             return
+        assert now is not None, "duels exist only after an eviction, which sets the time"
         window = self.ablation.duel_window * self.state.horizon_s
         cap = limit * self.ablation.duel_cap_factor
         while self._duels:

@@ -14,7 +14,7 @@ by them stays addressable as ``("session", ("tool_call", 1))``.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 QUEUES = ("shared", "session", "single")
 OUTPUT_TYPES = frozenset(("response", "reasoning", "tool_call"))
@@ -29,7 +29,7 @@ class OutputState(NamedTuple):
     size_class: int
 
 
-State = Union[str, OutputState]
+State = str | OutputState
 
 
 class ReuseClass(NamedTuple):

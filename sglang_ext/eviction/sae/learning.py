@@ -29,7 +29,7 @@ class SAEState:
     duel_win_ew: float = 0.0  # running sums behind model_win_rate
     duel_weight_ew: float = 0.0
 
-    def snapshot(self) -> "SAEState":
+    def snapshot(self) -> SAEState:
         classes = {k: ClassStats(replace(v.reuse_time), v.reuse_prob, v.outcomes)
                    for k, v in self.classes.items()}
         return replace(self, classes=classes)
@@ -72,7 +72,7 @@ class Learner:
         queue, state = klass
         if not isinstance(state, tuple):
             return self.stats(klass).reuse_time
-        base, offset = self.stats((queue, state[0])).reuse_time, self.stats(klass).reuse_time
+        base, offset = self.stats(ReuseClass(queue, state[0])).reuse_time, self.stats(klass).reuse_time
         return ReuseTimeModel(mu=base.mu + offset.mu, var=offset.var, n=offset.n,
                               min_sigma=offset.min_sigma)
 
@@ -84,13 +84,15 @@ class Learner:
         queue, state = klass
         fine = self.stats(klass)
         if isinstance(state, tuple):
-            base = self.stats((queue, state[0]))
+            base = self.stats(ReuseClass(queue, state[0]))
             if returned:
+                assert gap is not None, "a returned session has a gap"
                 x = math.log(gap)
                 base.reuse_time.observe_log(x, rate)
                 fine.reuse_time.observe_log(x - base.reuse_time.mu, rate)
             base.observe_outcome(returned, rate)
         elif returned:
+            assert gap is not None, "a returned session has a gap"
             fine.reuse_time.observe(gap, rate)
         fine.observe_outcome(returned, rate)
 
@@ -105,7 +107,7 @@ class Learner:
         queue, state = klass
         revoked = [self.stats(klass)]
         if isinstance(state, tuple):
-            revoked.append(self.stats((queue, state[0])))
+            revoked.append(self.stats(ReuseClass(queue, state[0])))
         for stats in revoked:
             stats.revoke_miss(rate)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Hashable, Iterator, NamedTuple
+from collections.abc import Hashable, Iterator
+from typing import NamedTuple
 
 from ..base import EntryInfo, Key, LazyMinHeap, RequestInfo
 from .config import SAEAblation
@@ -157,6 +158,7 @@ class OwnerQueues:
             if head is None:
                 continue
             young = self._youngest[rank].peek_entry()  # heap entries: (priority, seq, key)
+            assert young is not None, "a rank with an oldest entry has a youngest one"
             yield rank, Head(head[0], head[2]), Head(-young[0], young[2])
 
 

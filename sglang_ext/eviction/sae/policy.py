@@ -11,7 +11,7 @@ from typing import NamedTuple
 from ..base import NEVER, EntryInfo, EvictionPolicy, Key, RequestInfo, register
 from .config import SAEAblation, SAEConfig
 from .expert import LRUExpert
-from .keys import OUTPUT_TYPES, PACE_STEP, RankClass, ReuseClass, output_state
+from .keys import OUTPUT_TYPES, PACE_STEP, RankClass, ReuseClass, State, output_state
 from .learning import Learner, SAEState
 from .owners import Entry, Owner, OwnerQueues, Sessions, requester_of
 from .reuse_model import ClassStats, ReuseTimeModel, hit_density, soon
@@ -191,7 +191,7 @@ class SAEPolicy(EvictionPolicy):
                 self.sessions.returned(owner, request.time)
             owner.request, owner.t_request = request.index, request.time
             owner.out_blocks = 0
-        state = token_type
+        state: State = token_type
         if token_type in OUTPUT_TYPES and self.ablation.output_size_classes:
             owner.out_blocks += admitted
             state = output_state(token_type, owner.out_blocks)
