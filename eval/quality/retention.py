@@ -72,7 +72,7 @@ def markdown(ppl_rows: list[dict], ruler_rows: list[dict] | None = None) -> str:
         e = ppl[name]
         cells = [name, f"{e['replayed']:.0f}", *[f"{e['replayed_by_group'].get(g, float('nan')):.0f}" for g in groups],
                  f"{e['reused']:.0f}", *[f"{e['ppl_by_group'].get(g, float('nan')):.4f}" for g in groups],
-                 f"{e['ppl_ratio']:.4f}", f"{e['abs_delta']:.4f}"]
+                 f"{e['ppl_ratio']:.4f}", f"{e['abs_delta']:.2e}"]
         if ruler:
             r = ruler.get(name)
             cells += (["-"] * 4 if r is None else

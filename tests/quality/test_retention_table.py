@@ -52,6 +52,6 @@ def test_table_rows_in_report_order_with_ruler_columns(tmp_path, capsys):
                      "--out", str(tmp_path / "table.md")]) == 0
     lines = (tmp_path / "table.md").read_text().splitlines()
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| full", "| tr-5", "| tr-auto-0.01"]
-    assert lines[3].endswith("| 1.0000 | 0.1000 | 100.0 | 50 | 0.0500 | 100 |")
+    assert lines[3].endswith("| 1.0000 | 1.00e-01 | 100.0 | 50 | 0.0500 | 100 |")
     assert lines[4].endswith("| - | - | - | - |") and "| 133 | 133 | 133 |" in lines[4]
     assert capsys.readouterr().out.strip() == (tmp_path / "table.md").read_text().strip()
