@@ -21,7 +21,8 @@ from eval.quality.configs import BASELINE, config_named, report_order
 
 def perplexity_columns(rows: list[dict]) -> dict:
     """{config: {"replayed": .., "reused": .., "replayed_by_group": {g: ..}, "ppl_by_group": {g: ..},
-    "ppl_ratio": .., "abs_delta": .., "samples": n}}; configs against `full` on the same keys."""
+    "abs_by_group": {g: ..}, "ppl_ratio": .., "abs_delta": .., "samples": n}}; configs against `full`
+    on the same keys."""
     base = {r["key"]: r for r in rows if r["config"] == BASELINE}
     out: dict = {}
     for name in {r["config"] for r in rows}:
@@ -38,6 +39,7 @@ def perplexity_columns(rows: list[dict]) -> dict:
             "replayed_by_group": {g: mean(r["replayed_tokens"] or 0 for r in mine if r["group"] == g) for g in groups},
             "ppl_by_group": {g: math.exp(mean(d for r in mine if r["group"] == g for d in deltas[r["key"]]))
                              for g in groups},
+            "abs_by_group": {g: mean(abs(d) for r in mine if r["group"] == g for d in deltas[r["key"]]) for g in groups},
             "ppl_ratio": math.exp(mean(flat)),
             "abs_delta": mean(abs(d) for d in flat),
         }
@@ -64,7 +66,8 @@ def markdown(ppl_rows: list[dict], ruler_rows: list[dict] | None = None) -> str:
     ruler = ruler_columns(ruler_rows or [])
     groups = sorted({g for e in ppl.values() for g in e["ppl_by_group"]}, key=lambda g: float(g[:-1]))
     head = ["config", "replayed tok (all)", *[f"replayed {g}" for g in groups], "reused tok (all)",
-            *[f"ppl ratio {g}" for g in groups], "ppl ratio (all)", "mean abs delta (nats/tok)"]
+            *[f"ppl ratio {g}" for g in groups], "ppl ratio (all)", *[f"mean abs delta {g}" for g in groups],
+            "mean abs delta (all, nats/tok)"]
     if ruler:
         head += ["RULER score", "RULER same output %", "RULER logprob drift", "RULER replayed"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
@@ -72,7 +75,8 @@ def markdown(ppl_rows: list[dict], ruler_rows: list[dict] | None = None) -> str:
         e = ppl[name]
         cells = [name, f"{e['replayed']:.0f}", *[f"{e['replayed_by_group'].get(g, float('nan')):.0f}" for g in groups],
                  f"{e['reused']:.0f}", *[f"{e['ppl_by_group'].get(g, float('nan')):.4f}" for g in groups],
-                 f"{e['ppl_ratio']:.4f}", f"{e['abs_delta']:.2e}"]
+                 f"{e['ppl_ratio']:.4f}", *[f"{e['abs_by_group'].get(g, float('nan')):.2e}" for g in groups],
+                 f"{e['abs_delta']:.2e}"]
         if ruler:
             r = ruler.get(name)
             cells += (["-"] * 4 if r is None else

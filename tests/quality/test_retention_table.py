@@ -33,9 +33,10 @@ def test_perplexity_columns_by_hand():
     assert five["ppl_by_group"]["1K"] == pytest.approx(math.exp(0.1))
     assert five["ppl_by_group"]["4K"] == pytest.approx(math.exp(-0.1))
     assert five["ppl_ratio"] == pytest.approx(1.0) and five["abs_delta"] == pytest.approx(0.1)
+    assert five["abs_by_group"] == pytest.approx({"1K": 0.1, "4K": 0.1})
     auto = cols["tr-auto-0.01"]
     assert auto["replayed"] == 133 and auto["ppl_by_group"] == pytest.approx({"1K": math.exp(0.1), "4K": 1.0})
-    assert auto["abs_delta"] == pytest.approx(0.05)
+    assert auto["abs_delta"] == pytest.approx(0.05) and auto["abs_by_group"] == pytest.approx({"1K": 0.1, "4K": 0.0})
     assert cols["full"]["ppl_ratio"] == 1.0 and cols["full"]["abs_delta"] == 0.0
 
 
@@ -52,6 +53,6 @@ def test_table_rows_in_report_order_with_ruler_columns(tmp_path, capsys):
                      "--out", str(tmp_path / "table.md")]) == 0
     lines = (tmp_path / "table.md").read_text().splitlines()
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| full", "| tr-5", "| tr-auto-0.01"]
-    assert lines[3].endswith("| 1.0000 | 1.00e-01 | 100.0 | 50 | 0.0500 | 100 |")
+    assert lines[3].endswith("| 1.0000 | 1.00e-01 | 1.00e-01 | 1.00e-01 | 100.0 | 50 | 0.0500 | 100 |")
     assert lines[4].endswith("| - | - | - | - |") and "| 133 | 133 | 133 |" in lines[4]
     assert capsys.readouterr().out.strip() == (tmp_path / "table.md").read_text().strip()
