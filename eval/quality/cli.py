@@ -1,4 +1,4 @@
-"""`python -m eval.quality {run,report,make-longbench}`: see the package docstring."""
+"""`python -m eval.quality {run,report,retention,make-longbench}`: see the package docstring."""
 
 from __future__ import annotations
 
