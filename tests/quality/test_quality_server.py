@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -15,9 +16,16 @@ ROW_FIELDS = {"key", "benchmark", "dataset", "sample_id", "length", "group", "co
               "prediction", "score", "output_ids", "output_logprobs"}
 
 
+#: the fixture model's decay profile (the servers find <model>/decay.json at start-up): the slowest
+#: head's p90 decay 0.9 certifies 44 tokens for tolerance 0.01 and 22 for 0.1; p10 0.5 -> 0.01: 7
+PROFILE = {"layers": {"0": [{"head": 0, "decay_p10": 0.5, "decay_p50": 0.6, "decay_p90": 0.9}]}}
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_factory, tmp_path_factory):
-    model = tiny_model_factory("qwen3-next")
+    model = tmp_path_factory.mktemp("quality_model") / "qwen3-next"
+    shutil.copytree(tiny_model_factory("qwen3-next"), model)
+    (model / "decay.json").write_text(json.dumps(PROFILE))
     logs = tmp_path_factory.mktemp("quality_logs")
     procs = {k: ServerProcess(str(model), server_args(k, DEFAULT_LAUNCH_ARGS), log_path=logs / f"{k}.log")
              for k in (configs.STOCK, configs.TAIL_REPLAY)}
@@ -142,3 +150,20 @@ def test_continuation_perplexity_matches_transformers_and_sees_the_state(served,
     table = json.loads((out / perplexity.SUMMARY_JSON).read_text())["0.2K"]
     assert abs(table["tr-100"]["delta_nats"]) < 1e-3 and (out / perplexity.PLOT).stat().st_size > 0
 
+
+
+def test_decay_certified_budgets_replay_the_window_the_profile_certifies(served, tmp_path):
+    """tr-auto-*: the eval plans the reuse check with the server's own config (the model's
+    decay.json), and the server replays exactly the certified window, whatever L is."""
+    model, urls = served
+    out = tmp_path / "auto"
+    assert cli.main(["run", "--benchmark", "perplexity", "--doc-tokens", "200", "--continuation-tokens", "8",
+                     "--samples", "1", "--sources", "essays", "--configs", "tr-auto-0.01,tr-auto-0.1,tr-auto-0.01-p10",
+                     "--tokenizer", str(model), "--out", str(out), *urls]) == 0
+    rows = {r["config"]: r for r in _rows(out)}
+    assert {n: (r["hit_kind"], r["replayed_tokens"], r["budget"]) for n, r in rows.items() if n != "full"} == {
+        "tr-auto-0.01": ("approximate", 44, "auto"), "tr-auto-0.1": ("approximate", 22, "auto"),
+        "tr-auto-0.01-p10": ("approximate", 7, "auto")}
+    assert all(r["cached_tokens"] + r["replayed_tokens"] == r["matched_tokens"] == 199
+               for n, r in rows.items() if n != "full")
+    assert "tr-auto-0.1" in (out / "perplexity-summary.md").read_text()
