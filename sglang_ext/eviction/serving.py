@@ -25,11 +25,12 @@ import math
 import time
 from array import array
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 from .base import TOKEN_TYPES, EntryInfo, RequestInfo
 from .sae import SAEConfig, SAEConfigError, SAEPolicy
+from .sae.keys import RankClass
 
 #: request fields, inside ``sampling_params.custom_params``
 TYPES_FIELD = "token_types"
@@ -272,6 +273,8 @@ class ServeStats:
     decisions: int = 0
     decision_ns: int = 0
     hook_ns: int = 0  # time in the match / insert hooks and the pre-eviction sync
+    state_orders: int = 0  # recurrent-state eviction walks SAE ordered
+    state_order_ns: int = 0  # time spent ordering them
 
 
 class ServerSAE:
@@ -390,6 +393,38 @@ class ServerSAE:
         self.stats.decisions += 1
         return None if key is None else self._handles[key]
 
+    def state_keep_value(self, node_id: Hashable, now: float) -> float:
+        """How much SAE wants to keep the recurrent state held by node ``node_id``: the
+        value density SAE gives the node's own entry (its owner's reuse class, its cost
+        bucket, its owner's pace; age since the entry's last access), the same value that
+        ranks the entry's KV. ``-inf`` for a node SAE does not know. Mutates: as
+        ``SAEPolicy.value`` (class stats created on first use)."""
+        key = self._key_of.get(node_id)
+        if key is None:
+            return -math.inf
+        policy = self.policy
+        entry = policy.queues.entries.get(key)
+        if entry is None:
+            return -math.inf
+        owner = policy.queues.owners[entry.owner]
+        rank = RankClass(owner.klass, entry.cost_bucket, owner.pace)
+        return policy.value(rank, max(0.0, now - entry.t_last))
+
+    def state_order(self, node_ids: Sequence[Hashable]) -> list[int]:
+        """The rule beside the policy for recurrent-state checkpoints: given the nodes
+        holding an unlocked state, least recently used first (``node_ids``), the order to
+        free their states in (indices into ``node_ids``): lowest ``state_keep_value`` first,
+        ties (and nodes SAE does not know, which go first) in the given LRU order. So the
+        states kept are those on entries SAE expects back soonest, e.g. the end state of a
+        session SAE expects to return. Timed; mutates only the stats."""
+        t = time.perf_counter_ns()
+        now = self.now()
+        values = [self.state_keep_value(node_id, now) for node_id in node_ids]
+        order = sorted(range(len(node_ids)), key=lambda i: (values[i], i))
+        self.stats.state_orders += 1
+        self.stats.state_order_ns += time.perf_counter_ns() - t
+        return order
+
     def evicted(self, node_id: Hashable) -> None:
         """The tree removed the node ``node_id`` (its whole KV). Mutates: policy, ghosts."""
         key = self._key_of.get(node_id)
@@ -429,7 +464,7 @@ class ServerSAE:
         out = {"model_win_rate": state.model_win_rate, "horizon_s": state.horizon_s}
         for klass, stats in state.classes.items():
             queue, st = klass
-            name = f"{queue}/{st if isinstance(st, str) else '%s:%d' % tuple(st)}"
+            name = f"{queue}/{st if isinstance(st, str) else '{}:{}'.format(*st)}"
             out[f"median_reuse_s[{name}]"] = math.exp(stats.reuse_time.mu)
             out[f"reuse_prob[{name}]"] = stats.reuse_prob
         return out

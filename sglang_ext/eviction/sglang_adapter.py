@@ -5,10 +5,12 @@ SGLang tree nodes into ``serving.PathNode``. The seams that call it are
 (the Python tree core), ``sae_cache_events.py`` (match / insert), ``sae_full_eviction.py``
 (the full-KV eviction walk), ``sae_request.py`` and ``sae_chat.py`` (request fields).
 
-Only the full-KV leaf order is SAE's. Recurrent-state checkpoints (Mamba component)
-keep SGLang's rule: least recently used state first (under ``tail_replay`` the state
-alone, the node keeps its KV; on the default backend a state on a leaf takes the leaf,
-which SAE then sees as an external eviction, queue ``state``): docs/saecache.md.
+SAE orders the full-KV leaves (``victim()``) and, through the rule beside it
+(``ServerSAE.state_order``: lowest keep value of the node's entry first), the recurrent-state
+checkpoints (``state_eviction_order``, called from ``patches/sae_state_eviction.py`` in both
+backends; under ``tail_replay`` the state alone goes, on the default backend a state on a
+leaf takes the leaf, which SAE then sees as an external eviction, queue ``state``):
+docs/saecache.md.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Optional
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from .serving import (PathNode, SAERequest, ServerSAE, content_keys, parse_request,
-                      parse_server_config)
+from .serving import PathNode, SAERequest, ServerSAE, content_keys, parse_request, parse_server_config
 
 logger = logging.getLogger(__name__)
 POLICY_NAME = "sae"
@@ -42,7 +42,7 @@ class SAEStrategy(EvictionStrategy):
         return node.last_access_time
 
 
-def strategy_of(tree_core) -> Optional[SAEStrategy]:
+def strategy_of(tree_core) -> SAEStrategy | None:
     strategy = getattr(tree_core, "eviction_strategy", None)
     return strategy if isinstance(strategy, SAEStrategy) else None
 
@@ -127,6 +127,21 @@ def _on_request_path(server: ServerSAE, tree_core, req, last_node, token_ids, hi
     leaves = tree_core.evictable_device_leaves
     for node in path:
         server.set_evictable(node.id, node in leaves)
+
+
+def state_eviction_order(tree_core, lru) -> list:
+    """The nodes holding an unlocked device state of ``lru`` (a Mamba component's LRU list),
+    in the order SAE frees their states (``ServerSAE.state_order``). Locked states (a running
+    request's, a checkpoint a planned hit copies) are never in it. Empty unless the tree
+    core's policy is SAE's."""
+    strategy = strategy_of(tree_core)
+    if strategy is None:
+        return []
+    nodes, node = [], lru.get_lru_no_lock()
+    while node is not None:
+        nodes.append(node)
+        node = lru.get_prev_no_lock(node)
+    return [nodes[i] for i in strategy.server.state_order([n.id for n in nodes])]
 
 
 @functools.lru_cache(maxsize=1)
