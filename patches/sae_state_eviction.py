@@ -80,7 +80,10 @@ def _wrap_next(original):
 def _wrap_end(original):
     @functools.wraps(original)
     def _evict_device_end(self) -> None:
-        self.__dict__.pop(_ORDER, None)
+        if self.__dict__.pop(_ORDER, None) is not None:
+            from sglang_ext.eviction.sglang_adapter import publish_metrics, strategy_of
+
+            publish_metrics(strategy_of(self.tree_core))   # the ordering time reaches /metrics
         return original(self)
 
     return _evict_device_end

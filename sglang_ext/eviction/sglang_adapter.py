@@ -157,6 +157,8 @@ def _metrics():
         "decision_s": Counter("sglang_ext:sae_decision_seconds", "Time spent choosing victims"),
         "hook_s": Counter("sglang_ext:sae_hook_seconds",
                           "Time spent in SAE's match / insert hooks and its pre-eviction sync"),
+        "state_order_s": Counter("sglang_ext:sae_state_order_seconds",
+                                 "Time spent ordering recurrent-state checkpoints for eviction"),
         "learned": Gauge("sglang_ext:sae_learned", "SAE's learned parameters", ["name"],
                          multiprocess_mode="mostrecent"),
     }
@@ -167,6 +169,7 @@ class _Published:
 
     def __init__(self) -> None:
         self.evicted, self.reref, self.decisions, self.decision_ns, self.hook_ns = {}, 0, 0, 0, 0
+        self.state_order_ns = 0
 
 
 def publish_metrics(strategy: SAEStrategy) -> None:
@@ -200,6 +203,9 @@ def _publish(strategy: SAEStrategy, metrics: dict) -> None:
     if stats.hook_ns > last.hook_ns:
         metrics["hook_s"].inc((stats.hook_ns - last.hook_ns) / 1e9)
         last.hook_ns = stats.hook_ns
+    if stats.state_order_ns > last.state_order_ns:
+        metrics["state_order_s"].inc((stats.state_order_ns - last.state_order_ns) / 1e9)
+        last.state_order_ns = stats.state_order_ns
     for name, value in server.learned().items():
         metrics["learned"].labels(name=name).set(value)
 
