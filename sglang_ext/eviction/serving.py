@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 from .base import TOKEN_TYPES, EntryInfo, RequestInfo
 from .sae import SAEConfig, SAEConfigError, SAEPolicy
 from .sae.keys import RankClass
+from .sae.policy import cost_bucket
 
 #: request fields, inside ``sampling_params.custom_params``
 TYPES_FIELD = "token_types"
@@ -394,11 +395,13 @@ class ServerSAE:
         return None if key is None else self._handles[key]
 
     def state_keep_value(self, node_id: Hashable, now: float) -> float:
-        """How much SAE wants to keep the recurrent state held by node ``node_id``: the
-        value density SAE gives the node's own entry (its owner's reuse class, its cost
-        bucket, its owner's pace; age since the entry's last access), the same value that
-        ranks the entry's KV. ``-inf`` for a node SAE does not know. Mutates: as
-        ``SAEPolicy.value`` (class stats created on first use)."""
+        """How much SAE wants to keep the recurrent state held by node ``node_id``: the value
+        density SAE's model gives the node's entry (its owner's reuse class and pace, age since
+        the entry's last access), with the recompute cost of the whole path from the root to
+        the node's end: a state saves recomputing its entire prefix, not only the node's own
+        tokens (so a short tail node, e.g. a request's cached output, is not cheap to lose).
+        ``-inf`` for a node SAE does not know. Mutates: as ``SAEPolicy.value`` (class stats
+        created on first use)."""
         key = self._key_of.get(node_id)
         if key is None:
             return -math.inf
@@ -407,7 +410,9 @@ class ServerSAE:
         if entry is None:
             return -math.inf
         owner = policy.queues.owners[entry.owner]
-        rank = RankClass(owner.klass, entry.cost_bucket, owner.pace)
+        depth = entry.start + self._tokens[key]
+        path = self._info(PathNode(None, node_id, key, 0, depth), entry.token_type)
+        rank = RankClass(owner.klass, cost_bucket(path), owner.pace)
         return policy.value(rank, max(0.0, now - entry.t_last))
 
     def state_order(self, node_ids: Sequence[Hashable]) -> list[int]:

@@ -1,9 +1,10 @@
 """SAE's state-checkpoint rule in the real patched server (default backend, tiny Qwen3-Next): a
 small state pool (`--max-mamba-cache-size`), a KV pool large enough for everything, so only
-states are short. A session comes back once, then one-off requests fill the state pool, then the
-session's third turn. LRU has freed the session's end states by then (the oldest), so the third
-turn reuses nothing (the default backend needs a state at the end of a hit); SAE frees the
-one-offs' states first and the session resumes on its checkpoint.
+states are short. A session's turns come every sixth request, five one-off requests between
+them. LRU has always freed the session's end state by its next turn (the oldest), so no turn
+reuses anything (the default backend needs a state at the end of a hit); once SAE has seen the
+session return, it frees the one-offs' states first and the third turn resumes on turn 2's
+end state.
 
 Servers run one at a time: LRU, then SAE, each serving the same request sequence.
 """
@@ -15,7 +16,7 @@ import random
 
 from eval.harness import ServerProcess
 
-STATE_SLOTS, ONE_OFFS, NEW = 4, 6, 4
+STATE_SLOTS, GAP, NEW = 4, 5, 4
 
 
 def _args(policy: str) -> list[str]:
@@ -26,8 +27,9 @@ def _args(policy: str) -> list[str]:
 
 
 def run_workload(server: ServerProcess) -> list[int]:
-    """Cached tokens per request: session turn 1, a one-off, session turn 2, the one-offs,
-    session turn 3 (each turn: the conversation so far + 20 new user tokens)."""
+    """Cached tokens per request: the session's turns 1, 2, 3 with GAP one-off requests after each
+    (a turn: the conversation so far + new user tokens), so the session returns every GAP + 1
+    requests: SAE learns that gap from its first return."""
     rnd = random.Random(1)
     conversation: list[int] = []
     cached = []
@@ -46,12 +48,11 @@ def run_workload(server: ServerProcess) -> list[int]:
     def one_off(i):
         send([rnd.randrange(10, 500) for _ in range(30 + i)], None)
 
-    turn(60)
-    one_off(0)
-    turn(20)
-    for i in range(1, ONE_OFFS + 1):
-        one_off(i)
-    turn(20)
+    for r, n_user in enumerate((60, 20, 20)):
+        turn(n_user)
+        if r < 2:
+            for i in range(GAP):
+                one_off(GAP * r + i)
     return cached
 
 
@@ -63,6 +64,7 @@ def test_sae_keeps_the_checkpoint_of_the_session_that_returns(tiny_model_factory
             results[policy] = run_workload(server)
     print(f"\ncached tokens per request\n  lru: {results['lru']}\n  sae: {results['sae']}")
     lru, sae = results["lru"], results["sae"]
-    assert lru[:3] == sae[:3] and lru[2] > 60           # turn 2 resumes on turn 1's state in both
-    assert lru[-1] == 0                                   # LRU freed the session's states
-    assert sae[-1] >= 60                                  # SAE kept a checkpoint of the session
+    turn_2, turn_3 = GAP + 1, 2 * GAP + 2
+    assert lru[:turn_3] == sae[:turn_3] == [0] * turn_3   # nothing learned yet: both lose turn 1's state
+    assert lru[turn_3] == 0                               # LRU freed the session's states again
+    assert sae[turn_3] >= 60 + 20 + NEW                   # SAE kept the end state of turn 2
