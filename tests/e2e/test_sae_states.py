@@ -64,7 +64,7 @@ def test_sae_keeps_the_checkpoint_of_the_session_that_returns(tiny_model_factory
             results[policy] = run_workload(server)
     print(f"\ncached tokens per request\n  lru: {results['lru']}\n  sae: {results['sae']}")
     lru, sae = results["lru"], results["sae"]
-    turn_2, turn_3 = GAP + 1, 2 * GAP + 2
+    turn_3 = 2 * GAP + 2   # index of the third turn
     assert lru[:turn_3] == sae[:turn_3] == [0] * turn_3   # nothing learned yet: both lose turn 1's state
     assert lru[turn_3] == 0                               # LRU freed the session's states again
     assert sae[turn_3] >= 60 + 20 + NEW                   # SAE kept the end state of turn 2
