@@ -1,8 +1,8 @@
 """SAE's decision overhead per request against prefill time at 8K prompts (issue 16, target <= 2 %).
 
 One patched CPU server (tiny Qwen3-Next fixture, default backend, `--radix-eviction-policy sae`,
-`--enable-metrics`), a KV pool of 3 x 8K tokens and 4 state slots, so from the fourth request
-on every request evicts KV and states. Requests: S sessions take turns R rounds; turn 1 is an
+`--enable-metrics`), a KV pool of 2 x 8K tokens (+ 1,024) and 8 state slots, so from the third
+request on every request evicts KV. Requests: S sessions take turns R rounds; turn 1 is an
 8,064-token prompt (the system prefix the sessions share + the session's document), each later
 turn adds 256 user tokens; max_new_tokens=1, so a request's wall time is its prefill (TTFT).
 
@@ -63,7 +63,7 @@ def main() -> None:
     out = args.out or work
     out.mkdir(parents=True, exist_ok=True)
     server_args = ["--dtype", "float32", "--radix-eviction-policy", "sae", "--enable-metrics",
-                   "--max-total-tokens", str(3 * PROMPT + 4 * TURN), "--max-mamba-cache-size", "4",
+                   "--max-total-tokens", str(2 * PROMPT + 4 * TURN), "--max-mamba-cache-size", "8",
                    "--max-running-requests", "1", "--chunked-prefill-size", "2048"]
     rnd = random.Random(0)
     shared = [rnd.randrange(10, 500) for _ in range(SHARED)]
