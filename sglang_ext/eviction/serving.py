@@ -469,7 +469,7 @@ class ServerSAE:
         out = {"model_win_rate": state.model_win_rate, "horizon_s": state.horizon_s}
         for klass, stats in state.classes.items():
             queue, st = klass
-            name = f"{queue}/{st if isinstance(st, str) else '{}:{}'.format(*st)}"
+            name = f"{queue}/{st if isinstance(st, str) else f'{st[0]}:{st[1]:d}'}"
             out[f"median_reuse_s[{name}]"] = math.exp(stats.reuse_time.mu)
             out[f"reuse_prob[{name}]"] = stats.reuse_prob
         return out
