@@ -52,7 +52,7 @@ EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "t
                                 "tail_replay_meta",
                                 "tail_replay_request", "tail_replay_sizing", "tail_replay_pages",
                                 "request_token_ids",
-                                "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_request", "sae_chat")
+                                "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat")
 
 _applied: list[str] = []
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass, fields
 
 from .base import TOKEN_TYPES, EntryInfo, RequestInfo
 from .sae import SAEConfig, SAEConfigError, SAEPolicy
+from .sae.keys import RankClass
+from .sae.policy import cost_bucket
 
 #: request fields, inside ``sampling_params.custom_params``
 TYPES_FIELD = "token_types"
@@ -272,6 +274,8 @@ class ServeStats:
     decisions: int = 0
     decision_ns: int = 0
     hook_ns: int = 0  # time in the match / insert hooks and the pre-eviction sync
+    state_orders: int = 0  # recurrent-state eviction walks SAE ordered
+    state_order_ns: int = 0  # time spent ordering them
 
 
 class ServerSAE:
@@ -389,6 +393,42 @@ class ServerSAE:
         self.stats.decision_ns += time.perf_counter_ns() - t
         self.stats.decisions += 1
         return None if key is None else self._handles[key]
+
+    def state_keep_value(self, node_id: Hashable, now: float) -> float:
+        """How much SAE wants to keep the recurrent state held by node ``node_id``: the value
+        density SAE's model gives the node's entry (its owner's reuse class and pace, age since
+        the entry's last access), with the recompute cost of the whole path from the root to
+        the node's end: a state saves recomputing its entire prefix, not only the node's own
+        tokens (so a short tail node, e.g. a request's cached output, is not cheap to lose).
+        ``-inf`` for a node SAE does not know. Mutates: as ``SAEPolicy.value`` (class stats
+        created on first use)."""
+        key = self._key_of.get(node_id)
+        if key is None:
+            return -math.inf
+        policy = self.policy
+        entry = policy.queues.entries.get(key)
+        if entry is None:
+            return -math.inf
+        owner = policy.queues.owners[entry.owner]
+        depth = entry.start + self._tokens[key]
+        path = self._info(PathNode(None, node_id, key, 0, depth), entry.token_type)
+        rank = RankClass(owner.klass, cost_bucket(path), owner.pace)
+        return policy.value(rank, max(0.0, now - entry.t_last))
+
+    def state_order(self, node_ids: Sequence[Hashable]) -> list[int]:
+        """The rule beside the policy for recurrent-state checkpoints: given the nodes
+        holding an unlocked state, least recently used first (``node_ids``), the order to
+        free their states in (indices into ``node_ids``): lowest ``state_keep_value`` first,
+        ties (and nodes SAE does not know, which go first) in the given LRU order. So the
+        states kept are those on entries SAE expects back soonest, e.g. the end state of a
+        session SAE expects to return. Timed; mutates only the stats."""
+        t = time.perf_counter_ns()
+        now = self.now()
+        values = [self.state_keep_value(node_id, now) for node_id in node_ids]
+        order = sorted(range(len(node_ids)), key=lambda i: (values[i], i))
+        self.stats.state_orders += 1
+        self.stats.state_order_ns += time.perf_counter_ns() - t
+        return order
 
     def evicted(self, node_id: Hashable) -> None:
         """The tree removed the node ``node_id`` (its whole KV). Mutates: policy, ghosts."""

@@ -5,10 +5,12 @@ SGLang tree nodes into ``serving.PathNode``. The seams that call it are
 (the Python tree core), ``sae_cache_events.py`` (match / insert), ``sae_full_eviction.py``
 (the full-KV eviction walk), ``sae_request.py`` and ``sae_chat.py`` (request fields).
 
-Only the full-KV leaf order is SAE's. Recurrent-state checkpoints (Mamba component)
-keep SGLang's rule: least recently used state first (under ``tail_replay`` the state
-alone, the node keeps its KV; on the default backend a state on a leaf takes the leaf,
-which SAE then sees as an external eviction, queue ``state``): docs/saecache.md.
+SAE orders the full-KV leaves (``victim()``) and, through the rule beside it
+(``ServerSAE.state_order``: lowest keep value of the node's entry first), the recurrent-state
+checkpoints (``state_eviction_order``, called from ``patches/sae_state_eviction.py`` in both
+backends; under ``tail_replay`` the state alone goes, on the default backend a state on a
+leaf takes the leaf, which SAE then sees as an external eviction, queue ``state``):
+docs/saecache.md.
 """
 
 from __future__ import annotations
@@ -127,6 +129,21 @@ def _on_request_path(server: ServerSAE, tree_core, req, last_node, token_ids, hi
         server.set_evictable(node.id, node in leaves)
 
 
+def state_eviction_order(tree_core, lru) -> list:
+    """The nodes holding an unlocked device state of ``lru`` (a Mamba component's LRU list),
+    in the order SAE frees their states (``ServerSAE.state_order``). Locked states (a running
+    request's, a checkpoint a planned hit copies) are never in it. Empty unless the tree
+    core's policy is SAE's."""
+    strategy = strategy_of(tree_core)
+    if strategy is None:
+        return []
+    nodes, node = [], lru.get_lru_no_lock()
+    while node is not None:
+        nodes.append(node)
+        node = lru.get_prev_no_lock(node)
+    return [nodes[i] for i in strategy.server.state_order([n.id for n in nodes])]
+
+
 @functools.lru_cache(maxsize=1)
 def _metrics():
     from prometheus_client import Counter, Gauge
@@ -140,6 +157,8 @@ def _metrics():
         "decision_s": Counter("sglang_ext:sae_decision_seconds", "Time spent choosing victims"),
         "hook_s": Counter("sglang_ext:sae_hook_seconds",
                           "Time spent in SAE's match / insert hooks and its pre-eviction sync"),
+        "state_order_s": Counter("sglang_ext:sae_state_order_seconds",
+                                 "Time spent ordering recurrent-state checkpoints for eviction"),
         "learned": Gauge("sglang_ext:sae_learned", "SAE's learned parameters", ["name"],
                          multiprocess_mode="mostrecent"),
     }
@@ -150,6 +169,7 @@ class _Published:
 
     def __init__(self) -> None:
         self.evicted, self.reref, self.decisions, self.decision_ns, self.hook_ns = {}, 0, 0, 0, 0
+        self.state_order_ns = 0
 
 
 def publish_metrics(strategy: SAEStrategy) -> None:
@@ -183,6 +203,9 @@ def _publish(strategy: SAEStrategy, metrics: dict) -> None:
     if stats.hook_ns > last.hook_ns:
         metrics["hook_s"].inc((stats.hook_ns - last.hook_ns) / 1e9)
         last.hook_ns = stats.hook_ns
+    if stats.state_order_ns > last.state_order_ns:
+        metrics["state_order_s"].inc((stats.state_order_ns - last.state_order_ns) / 1e9)
+        last.state_order_ns = stats.state_order_ns
     for name, value in server.learned().items():
         metrics["learned"].labels(name=name).set(value)
 

@@ -118,22 +118,32 @@ class TailReplayMambaComponent(MambaComponent):
         """
         if self.tree_core.enable_hicache:
             return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
-        ct, lru = self.component_type, self.tree_core.lru_lists[self.component_type]
-        by_session = self.tree_core.enable_session_radix_cache
-        if self._evict_device_cursor is not None and not lru.in_list(self._evict_device_cursor):
-            self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_lru_no_lock()
-        victim = self._evict_device_cursor
-        if tracker[ct] >= self._evict_device_request_cnt or victim is None or not lru.in_list(victim):
+        if tracker[self.component_type] >= self._evict_device_request_cnt:
             return None
-        if not by_session:
-            self._evict_device_cursor = lru.get_prev_no_lock(victim)
+        victim = self._next_state_victim()
+        if victim is None:
+            return None
         self.tree_core._evict_component_and_detach_lru(
             victim, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
             host_frees=host_frees, cache_actions=cache_actions)
         self.tree_core._update_evictable_leaf_sets(victim)
-        if by_session:
-            self._evict_device_cursor = lru.cursor_next()
         return None
+
+    def _next_state_victim(self) -> Any:
+        """The next unlocked device state to free in this walk, or None: SGLang's order, least
+        recently used first (with the session radix cache, its partitioned cursor). The one
+        place a policy may reorder states (`--radix-eviction-policy sae` does, see
+        patches/sae_state_eviction.py). May mutate: the walk cursor."""
+        lru = self.tree_core.lru_lists[self.component_type]
+        by_session = self.tree_core.enable_session_radix_cache
+        if self._evict_device_cursor is not None and not lru.in_list(self._evict_device_cursor):
+            self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_lru_no_lock()
+        victim = self._evict_device_cursor
+        if victim is None or not lru.in_list(victim):
+            return None
+        # step on now: freeing the victim unlinks it, the cursor (or its sentinel) stays put
+        self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_prev_no_lock(victim)
+        return victim
 
     def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
                                   insert_params: Any = None) -> None:
