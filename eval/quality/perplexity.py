@@ -29,10 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 
-from tqdm import tqdm
-
 from eval.quality.configs import BASELINE, EvalConfig, report_order
-from eval.quality.runner import SharedPrefix, check_reuse, read_rows, reuse_of, server_config_for
+from eval.quality.runner import SharedPrefix, append_rows, check_reuse, reuse_of, server_config_for
 from eval.quality.samples import EvalSample
 from eval.quality.servers import Client
 
@@ -144,17 +142,7 @@ def run_one(client: Client, config: EvalConfig, sample: TextSample) -> dict:
 
 def run(clients: dict[str, Client], configs: list[EvalConfig], samples: Iterable[TextSample], out_path: Path) -> list[dict]:
     """Append a row per (sample, config) not yet in `out_path` (resumable); return all rows."""
-    rows = read_rows(out_path)
-    done = {(r["key"], r["config"]) for r in rows}
-    todo = [(s, c) for s in samples for c in configs if (s.key, c.name) not in done]
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with out_path.open("a") as f:
-        for sample, config in tqdm(todo, desc="perplexity", unit="run"):
-            row = run_one(clients[config.server], config, sample)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            rows.append(row)
-    return rows
+    return append_rows(clients, configs, samples, run_one, out_path, "perplexity")
 
 
 # --- summary -------------------------------------------------------------------------------

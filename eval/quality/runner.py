@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -152,17 +153,25 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def run(clients: dict[str, Client], configs: list[EvalConfig], samples: Iterable[EvalSample], scorer: Scorer,
-        out_path: Path) -> list[dict]:
-    """Append a row per (sample, config) not yet in `out_path`; return all rows."""
+def append_rows(clients: dict[str, Client], configs: list[EvalConfig], samples: Iterable[Any],
+                one: Callable[[Client, EvalConfig, Any], dict], out_path: Path, desc: str) -> list[dict]:
+    """Append `one(client, config, sample)` for every (sample, config) not yet in `out_path`
+    (resumable; every sample has a `key`); return all rows."""
     rows = read_rows(out_path)
     done = {(r["key"], r["config"]) for r in rows}
     todo = [(s, c) for s in samples for c in configs if (s.key, c.name) not in done]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with out_path.open("a") as f:
-        for sample, config in tqdm(todo, desc="quality", unit="run"):
-            row = run_one(clients[config.server], config, sample, scorer)
+        for sample, config in tqdm(todo, desc=desc, unit="run"):
+            row = one(clients[config.server], config, sample)
             f.write(json.dumps(row) + "\n")
             f.flush()
             rows.append(row)
     return rows
+
+
+def run(clients: dict[str, Client], configs: list[EvalConfig], samples: Iterable[EvalSample], scorer: Scorer,
+        out_path: Path) -> list[dict]:
+    """Append a row per (sample, config) not yet in `out_path`; return all rows."""
+    return append_rows(clients, configs, samples, lambda client, config, sample: run_one(client, config, sample, scorer),
+                       out_path, "quality")
