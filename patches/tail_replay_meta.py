@@ -1,4 +1,5 @@
-"""Tail-Replay's per-request summary in `meta_info["cached_tokens_details"]["tail_replay"]`.
+"""Tail-Replay's per-request summary in `meta_info["cached_tokens_details"]["tail_replay"]`, and
+LinearKV's in `["linearkv"]` (requests with chunks on `--radix-cache-backend linearkv`).
 
 Reads the request's Tail-Replay record (`sglang_ext.tail_replay.plan_of`); requests without one
 (no Tail-Replay match) keep SGLang's details unchanged.
@@ -22,9 +23,15 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
         from sglang_ext.tail_replay import META_KEY, plan_of, plan_summary
 
         plan = plan_of(req)
-        if plan is None:
-            return details
-        return {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: plan_summary(plan)}
+        if plan is not None:
+            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: plan_summary(plan)}
+        linearkv = getattr(req, "_linearkv_record", None)
+        if linearkv is not None and not linearkv.register and linearkv.plan is not None:
+            from sglang_ext.linearkv.serving import META_KEY as LINEARKV_KEY
+            from sglang_ext.linearkv.serving import summary
+
+            details = {**(details or {"device": req.cached_tokens, "host": 0}), LINEARKV_KEY: summary(linearkv)}
+        return details
 
     return get_cached_tokens_details
 

@@ -46,7 +46,7 @@ def _limits_for(radix_cache_backend: str | None,
                 kv_cache_dtype: str) -> tuple[TailReplayConfig, RequestLimits] | None:
     from sglang_ext.tail_replay import BACKEND_NAME, ServerFacts, request_limits, server_config
 
-    if radix_cache_backend != BACKEND_NAME:
+    if radix_cache_backend not in (BACKEND_NAME, "linearkv"):   # linearkv serves P with Tail-Replay
         return None
     config = server_config()
     return config, request_limits(config, ServerFacts(kv_cache_dtype=kv_cache_dtype))

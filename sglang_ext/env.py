@@ -15,6 +15,8 @@ PATCH_MODE_VAR = "SGLANG_EXT_PATCH_MODE"
 ALLOW_OTHER_SGLANG_VAR = "SGLANG_EXT_ALLOW_OTHER_SGLANG"
 #: Tail-Replay configuration: a JSON object, or the path of a JSON file (see tail_replay/config.py).
 TAIL_REPLAY_CONFIG_VAR = "SGLANG_EXT_TAIL_REPLAY_CONFIG"
+#: LinearKV server configuration (`--linearkv-config`): a JSON object (see linearkv/serving.py).
+LINEARKV_CONFIG_VAR = "SGLANG_EXT_LINEARKV_CONFIG"
 #: Read by SGLang itself; required for its CPU engine.
 SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
 #: Read by SGLang itself: dtype of the linear layers' conv-window state (its default: bfloat16).
@@ -55,6 +57,16 @@ def tail_replay_config_text() -> str | None:
     """The raw value of `SGLANG_EXT_TAIL_REPLAY_CONFIG` (None when unset). Parsed, validated and
     cached by `sglang_ext.tail_replay.config.server_config` (this module imports no wing)."""
     return os.environ.get(TAIL_REPLAY_CONFIG_VAR)
+
+
+def linearkv_config_text() -> str | None:
+    """The raw value of `SGLANG_EXT_LINEARKV_CONFIG` (None when unset); parsed by
+    `sglang_ext.linearkv.serving.parse_config`."""
+    return os.environ.get(LINEARKV_CONFIG_VAR)
+
+
+def export_linearkv_config(text: str) -> None:
+    os.environ[LINEARKV_CONFIG_VAR] = text
 
 
 def export_tail_replay_config(text: str) -> None:

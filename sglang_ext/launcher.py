@@ -152,6 +152,7 @@ def _with_cpu_defaults(argv: list[str]) -> list[str]:
 
 #: the extension's own flags, taken out of argv before SGLang parses it
 TAIL_REPLAY_CONFIG_FLAG = "--tail-replay-config"
+LINEARKV_CONFIG_FLAG = "--linearkv-config"
 
 
 def _pop_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:
@@ -182,6 +183,20 @@ def _export_tail_replay_config(text: str | None) -> None:
     export_tail_replay_config(text)
 
 
+def _export_linearkv_config(text: str | None) -> None:
+    """`--linearkv-config`: validated here (naming the key), then handed to every process."""
+    from sglang_ext.env import export_linearkv_config
+    from sglang_ext.linearkv.serving import LinearKVConfigError, parse_config
+
+    if text is None:
+        return
+    try:
+        parse_config(text)
+    except LinearKVConfigError as exc:
+        raise LaunchError(str(exc)) from None
+    export_linearkv_config(text)
+
+
 def _check_tail_replay_start(server_args) -> None:
     """With `--radix-cache-backend tail_replay`: the config (flag or env) against the server's
     flags, once, before SGLang starts a scheduler (see tail_replay/startup.py)."""
@@ -209,6 +224,8 @@ def serve(argv: list[str]) -> None:
     """Apply patches for the chosen mode, then run SGLang's own server entry point."""
     argv, tail_replay_config = _pop_flag(argv, TAIL_REPLAY_CONFIG_FLAG)
     _export_tail_replay_config(tail_replay_config)
+    argv, linearkv_config = _pop_flag(argv, LINEARKV_CONFIG_FLAG)
+    _export_linearkv_config(linearkv_config)
     plan = plan_launch(argv)
     export_patch_mode(plan.mode)
     if plan.mode == "cpu":

@@ -1,0 +1,166 @@
+"""LinearKV, on arrival: find a request's chunks, register the chunks, then send the request on.
+
+Target (SGLang 0.5.23): `srt/managers/tokenizer_manager.py::TokenizerManager.generate_request`
+(the async generator behind /generate, the OpenAI endpoints and the frontend language). Only on a
+server running `--radix-cache-backend linearkv`; other requests pass untouched.
+
+For a request whose `sampling_params.custom_params.linearkv` holds chunks (token spans, or a
+separator) or whose text holds the server's separator (`--linearkv-config` `separator`):
+1. separator mode: the prompt text (for chat requests: the rendered prompt) is split into
+   `P, C_1 .. C_K, Q`; each segment is tokenized on its own (P with the tokenizer's special tokens,
+   the others without), so a chunk has the same ids wherever it appears; the separators are
+   dropped; the request continues as `input_ids` with the chunk spans in `custom_params.linearkv`;
+2. the spans are validated (HTTP 400 naming `custom_params.linearkv...` on a bad one);
+3. every chunk is registered: a prefill-only request (`max_new_tokens: 0`) of its ids in the
+   model's chunk namespace (`extra_key`), all at once (the scheduler batches them). A chunk already
+   cached costs a one-token prefill (see sglang_ext/linearkv/sglang_cache.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+TARGET = "srt/managers/tokenizer_manager.py: TokenizerManager.generate_request"
+
+
+@functools.lru_cache(maxsize=4)
+def _server(radix_cache_backend: str | None, model: str) -> tuple[Any, str] | None:
+    from sglang_ext.linearkv.serving import BACKEND_NAME, namespace
+    from sglang_ext.linearkv.sglang_cache import server_linearkv_config
+
+    if radix_cache_backend != BACKEND_NAME:
+        return None
+    return server_linearkv_config(), namespace(model)
+
+
+def _this_server() -> tuple[Any, str] | None:
+    from sglang.srt.runtime_context import get_server_args
+
+    args = get_server_args()
+    model = str(getattr(args, "served_model_name", None) or args.model_path)
+    return _server(getattr(args, "radix_cache_backend", None), model)
+
+
+def _custom_params(obj: Any) -> dict | None:
+    params = obj.sampling_params if isinstance(obj.sampling_params, dict) else None
+    custom = None if params is None else params.get("custom_params")
+    return custom if isinstance(custom, dict) else None
+
+
+def _is_single(obj: Any) -> bool:
+    if isinstance(obj.text, list) or isinstance(obj.sampling_params, list):
+        return False
+    ids = obj.input_ids
+    return ids is None or not (isinstance(ids, list) and ids and isinstance(ids[0], list))
+
+
+def _segments_ids(tokenizer: Any, parts: list[str]) -> list[list[int]]:
+    first = tokenizer.encode(parts[0]) if parts[0] else []
+    return [list(first)] + [list(tokenizer.encode(p, add_special_tokens=False)) for p in parts[1:]]
+
+
+def _by_separator(manager: Any, obj: Any, separator: str) -> list[list[int]] | None:
+    """Chunk spans from the separator, rewriting obj to input_ids; None if the prompt holds no chunk."""
+    from sglang_ext.linearkv.serving import spans_of_segments, split_by_separator
+
+    if isinstance(obj.text, str):
+        text = obj.text
+    elif obj.input_ids is not None:
+        text = manager.tokenizer.decode(obj.input_ids, skip_special_tokens=False)
+    else:
+        return None
+    parts = split_by_separator(text, separator)
+    if parts is None:
+        return None
+    ids = _segments_ids(manager.tokenizer, parts)
+    obj.text, obj.input_ids = None, [t for seg in ids for t in seg]
+    return spans_of_segments([len(seg) for seg in ids])
+
+
+def _prompt_ids(manager: Any, obj: Any) -> list[int]:
+    if obj.input_ids is None:
+        if not isinstance(obj.text, str):
+            raise ValueError("custom_params.linearkv needs a text or input_ids prompt")
+        obj.input_ids, obj.text = list(manager.tokenizer.encode(obj.text)), None
+    return list(obj.input_ids)
+
+
+def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
+    """Rewrite obj (separator mode), validate its chunks; return the chunks' token ids to register
+    ([] for a request without chunks). ValueError naming the field on bad input."""
+    from sglang_ext.linearkv.serving import plan_chunks, request_field
+
+    config, _ = server
+    if not _is_single(obj):
+        custom = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
+        if any(isinstance(p, dict) and request_field(p.get("custom_params")) for p in custom):
+            raise ValueError("custom_params.linearkv: batched requests are not supported; send one request per prompt")
+        return []
+    value = request_field(_custom_params(obj))
+    if value is not None and value.get("register"):
+        raise ValueError("custom_params.linearkv.register is internal to the server")
+    separator = value.get("separator") if value is not None else config.separator
+    if value is not None and "separator" in value and (not isinstance(separator, str) or not separator):
+        raise ValueError(f"custom_params.linearkv.separator must be a non-empty string, got {separator!r}")
+    if separator is not None and (value is None or "chunks" not in value):
+        spans = _by_separator(manager, obj, separator)
+        if spans is None:
+            if value is not None:
+                raise ValueError(f"custom_params.linearkv.separator {separator!r}: the prompt needs "
+                                 "P sep chunk sep ... sep question (at least two separators)")
+            return []
+        value = {**(value or {}), "chunks": spans}
+        value.pop("separator", None)
+    if value is None:
+        return []
+    ids = _prompt_ids(manager, obj)
+    plan = plan_chunks(value, len(ids), config)
+    params = dict(obj.sampling_params or {})
+    custom = dict(params.get("custom_params") or {})
+    custom["linearkv"] = {k: v for k, v in value.items() if k != "separator"}
+    if plan is None:
+        custom.pop("linearkv")
+    params["custom_params"] = custom
+    obj.sampling_params = params
+    return [] if plan is None else [ids[s:e] for s, e in plan.chunks]
+
+
+async def _register(manager: Any, original: Callable, chunks: list[list[int]], namespace: str) -> None:
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    async def one(ids: list[int]) -> None:
+        sub = GenerateReqInput(input_ids=ids, extra_key=namespace, stream=False,
+                               sampling_params={"max_new_tokens": 0,
+                                                "custom_params": {"linearkv": {"register": True}}})
+        async for _ in original(manager, sub, None):
+            pass
+
+    unique = {tuple(c): c for c in chunks}
+    await asyncio.gather(*(one(c) for c in unique.values()))
+
+
+def _wrap_generate_request(original: Callable) -> Callable:
+    @functools.wraps(original)
+    async def generate_request(self, obj, request=None):
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        server = _this_server() if isinstance(obj, GenerateReqInput) else None
+        if server is not None:
+            obj = copy.copy(obj)
+            chunks = prepare(self, obj, server)
+            if chunks:
+                await _register(self, original, chunks, server[1])
+        async for out in original(self, obj, request):
+            yield out
+
+    return generate_request
+
+
+def apply() -> None:
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    TokenizerManager.generate_request = _wrap_generate_request(TokenizerManager.generate_request)

@@ -1,0 +1,272 @@
+"""LinearKV in the server: configuration, per-request chunk plans and their summary (pure core:
+no SGLang import; the adapter is `sglang_ext/linearkv/sglang_cache.py`, the request seam
+`patches/linearkv_request.py`).
+
+A request's prompt is `P | C_1 .. C_K | Q`: P (the exact prefix, e.g. the system prompt) is served
+from the radix tree with Tail-Replay's exact-KV reuse; each chunk C_j was prefilled on its own (at
+positions 0..n_j-1, from a zero linear state) and registered under the LinearKV namespace of the
+tree; its attention KV is copied into the request and its keys re-rotated to their new offset; the
+linear layers start Q from the state rule's seed (`predecessor`: the last chunk's cached end state
+and conv window, LinearKV's "single cached state"; `zero`); Q is prefilled. Nothing assembled is
+ever inserted into the exact tree.
+
+Request fields (`sampling_params.custom_params.linearkv`):
+- `{"chunks": [[start, end], ...]}`: token spans of the chunks in the prompt's token ids, sorted,
+  contiguous (each starts where the last ended), non-empty, ending before the last prompt token;
+- `{"separator": "<str>"}` (or the server's `separator`): the prompt text is `P sep C_1 sep .. sep Q`;
+  the segments are tokenized one by one (so a chunk has the same ids wherever it appears) and the
+  separators dropped;
+- optional `"state"`: the request's state rule.
+Internal: `{"register": true}` marks a chunk-registration prefill (sent by the request seam).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+#: `--radix-cache-backend linearkv`
+BACKEND_NAME = "linearkv"
+#: key of the per-request summary in `meta_info["cached_tokens_details"]` and in custom_params
+META_KEY = "linearkv"
+#: state rules served by the server (the reference path also has `compose` and packed variants)
+SERVED_STATE_RULES = ("predecessor", "zero")
+#: selectors served by the server (the reference path also has `epic-k` and `cacheblend-r`)
+SERVED_SELECTORS = ("none",)
+#: radix-tree namespace (`extra_key`) of registered chunks, per model
+NAMESPACE_PREFIX = "linearkv-chunk:"
+
+_CONFIG_KEYS = ("selector", "state", "min_chunk_tokens", "separator")
+_REQUEST_KEYS = ("chunks", "separator", "state", "register")
+
+
+class LinearKVConfigError(ValueError):
+    """A bad `--linearkv-config` (names the key)."""
+
+
+@dataclass(frozen=True)
+class LinearKVConfig:
+    """`--linearkv-config` JSON.
+
+    selector: which chunk tokens are recomputed in context ("none": only the question).
+    state: the linear layers' seed for the question ("predecessor" | "zero").
+    min_chunk_tokens: a declared chunk shorter than this is joined to the span after it (a chunk
+        costs one cached state; tiny ones are not worth it).
+    separator: server-wide separator string for text prompts (None: only per request).
+    """
+
+    selector: str = "none"
+    state: str = "predecessor"
+    min_chunk_tokens: int = 16
+    separator: str | None = None
+
+
+def parse_config(text: str | Mapping[str, Any] | None) -> LinearKVConfig:
+    """Parse and validate; raise LinearKVConfigError naming the key."""
+    if text is None or text == "":
+        return LinearKVConfig()
+    raw = _load_json(text) if isinstance(text, str) else dict(text)
+    if not isinstance(raw, dict):
+        raise LinearKVConfigError("--linearkv-config must be a JSON object")
+    unknown = sorted(set(raw) - set(_CONFIG_KEYS))
+    if unknown:
+        raise LinearKVConfigError(f"--linearkv-config: unknown key {unknown[0]!r}; known keys: {list(_CONFIG_KEYS)}")
+    config = LinearKVConfig(**raw)
+    _check_selector(config.selector, "--linearkv-config key 'selector'", LinearKVConfigError)
+    _check_state(config.state, "--linearkv-config key 'state'", LinearKVConfigError)
+    n = config.min_chunk_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise LinearKVConfigError(f"--linearkv-config key 'min_chunk_tokens' must be an integer >= 1, got {n!r}")
+    if config.separator is not None and (not isinstance(config.separator, str) or not config.separator):
+        raise LinearKVConfigError(
+            f"--linearkv-config key 'separator' must be a non-empty string, got {config.separator!r}")
+    return config
+
+
+def _load_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LinearKVConfigError(f"--linearkv-config is not valid JSON: {exc}") from None
+
+
+def _check_selector(value: Any, where: str, error: type[ValueError]) -> None:
+    if value not in SERVED_SELECTORS:
+        raise error(f"{where}: {value!r} is not served; the server serves {list(SERVED_SELECTORS)} "
+                    "(epic-k and cacheblend-r run on the reference path, sglang_ext.linearkv.reference)")
+
+
+def _check_state(value: Any, where: str, error: type[ValueError]) -> None:
+    if value not in SERVED_STATE_RULES:
+        raise error(f"{where}: {value!r} is not served; choose from {list(SERVED_STATE_RULES)} "
+                    "(compose runs on the reference path)")
+
+
+def check_server_flags(server_args: Any) -> None:
+    """Start-up refusals for `--radix-cache-backend linearkv` (ValueError naming the flag); other
+    backends pass."""
+    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
+        return
+    page_size = getattr(server_args, "page_size", None) or 1
+    if page_size != 1:
+        raise ValueError("--radix-cache-backend linearkv needs --page-size 1 (a chunk is reused only in full, "
+                         f"and a page-aligned tree would cut its last page); got --page-size {page_size}")
+    if getattr(server_args, "mamba_scheduler_strategy", None) == "extra_buffer":
+        raise ValueError("--radix-cache-backend linearkv needs --mamba-scheduler-strategy no_buffer "
+                         "(extra_buffer keeps states only on its grid, not at a chunk's end)")
+    if getattr(server_args, "enable_hierarchical_cache", False):
+        raise ValueError("--radix-cache-backend linearkv does not run with --enable-hierarchical-cache")
+
+
+def namespace(model_id: str) -> str:
+    """The radix-tree `extra_key` under which a model's chunks are registered."""
+    return NAMESPACE_PREFIX + model_id
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A request's layout: P = [0, prefix_end), chunks tile [prefix_end, question_start),
+    Q = [question_start, n)."""
+
+    chunks: tuple[tuple[int, int], ...]
+    state: str
+
+    @property
+    def prefix_end(self) -> int:
+        return self.chunks[0][0]
+
+    @property
+    def question_start(self) -> int:
+        return self.chunks[-1][1]
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.question_start - self.prefix_end
+
+
+def request_field(custom_params: Any) -> Mapping[str, Any] | None:
+    """The request's `custom_params.linearkv` object, or None; ValueError naming the field."""
+    if custom_params is None:
+        return None
+    if not isinstance(custom_params, Mapping):
+        raise ValueError("sampling_params.custom_params must be a JSON object")
+    value = custom_params.get(META_KEY)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError("custom_params.linearkv must be a JSON object, e.g. {\"chunks\": [[0, 512]]}")
+    unknown = sorted(set(value) - set(_REQUEST_KEYS))
+    if unknown:
+        raise ValueError(f"custom_params.linearkv: unknown key {unknown[0]!r}; known keys: {list(_REQUEST_KEYS)}")
+    return value
+
+
+def is_registration(custom_params: Any) -> bool:
+    field_ = request_field(custom_params) if isinstance(custom_params, Mapping) else None
+    return bool(field_ and field_.get("register") is True)
+
+
+def plan_chunks(value: Mapping[str, Any], n_tokens: int, config: LinearKVConfig) -> ChunkPlan | None:
+    """The chunk plan of a request with `custom_params.linearkv = value` and `n_tokens` prompt
+    tokens; None when, after joining chunks shorter than `min_chunk_tokens`, none is left.
+    ValueError naming the field on a malformed value."""
+    state = value.get("state", config.state)
+    _check_state(state, "custom_params.linearkv.state", ValueError)
+    spans = _spans(value.get("chunks"), n_tokens)
+    joined = join_short(spans, config.min_chunk_tokens)
+    return ChunkPlan(tuple(joined), state) if joined else None
+
+
+def _spans(raw: Any, n_tokens: int) -> list[tuple[int, int]]:
+    where = "custom_params.linearkv.chunks"
+    if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
+        raise ValueError(f"{where} must be a non-empty list of [start, end] token spans")
+    spans = []
+    for i, span in enumerate(raw):
+        ok = isinstance(span, Sequence) and len(span) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in span)
+        if not ok:
+            raise ValueError(f"{where}[{i}] must be [start, end] (two integers), got {span!r}")
+        start, end = span
+        if not 0 <= start < end:
+            raise ValueError(f"{where}[{i}] = {list(span)}: need 0 <= start < end")
+        if spans and start != spans[-1][1]:
+            raise ValueError(f"{where}[{i}] starts at {start} but chunk {i - 1} ends at {spans[-1][1]}: "
+                             "chunks must be sorted and contiguous")
+        spans.append((start, end))
+    if spans[-1][1] >= n_tokens:
+        raise ValueError(f"{where}: the last chunk ends at {spans[-1][1]} but the prompt has {n_tokens} tokens; "
+                         "at least one question token must follow the chunks")
+    return spans
+
+
+def join_short(spans: Sequence[tuple[int, int]], min_tokens: int) -> list[tuple[int, int]]:
+    """Join each span shorter than `min_tokens` to the span after it; a short last span is left
+    to the question (dropped). Pure; keeps the spans contiguous."""
+    out: list[tuple[int, int]] = []
+    start = None
+    for s, e in spans:
+        start = s if start is None else start
+        if e - start >= min_tokens:
+            out.append((start, e))
+            start = None
+    return out
+
+
+def split_by_separator(text: str, separator: str) -> list[str] | None:
+    """`P sep C_1 sep .. sep Q` -> [P, C_1, .., Q]; None when the text holds no chunk (fewer than
+    two separators)."""
+    parts = text.split(separator)
+    return parts if len(parts) >= 3 else None
+
+
+def spans_of_segments(lengths: Sequence[int]) -> list[list[int]]:
+    """Token spans of the chunks from the token counts of [P, C_1, .., C_K, Q] (empty chunks dropped)."""
+    spans, pos = [], lengths[0]
+    for n in lengths[1:-1]:
+        if n > 0:
+            spans.append([pos, pos + n])
+        pos += n
+    return spans
+
+
+@dataclass
+class LinearKVRequest:
+    """The scheduler's record of one request (set at its match, read by the cache, the meta and
+    the metrics). May be mutated by: the linearkv cache (match, load, release)."""
+
+    plan: ChunkPlan | None = None
+    register: bool = False
+    #: the last match: tree prefix length (Tail-Replay's plan over P), chunk hits
+    tree_prefix_len: int = 0
+    chunks_hit: int = 0
+    chunks_missed: int = 0
+    #: set when the chunk KV was placed into the request's own slots (assembled)
+    assembled: bool = False
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    state_source: str = "none"
+    #: registration of a chunk already cached: a throw-away prefill of its last token
+    register_hit: bool = False
+    recorded: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def reset_match(self) -> None:
+        self.tree_prefix_len, self.chunks_hit, self.chunks_missed = 0, 0, 0
+        self.assembled, self.reused_tokens, self.recomputed_tokens = False, 0, 0
+        self.state_source, self.register_hit = "none", False
+
+
+def summary(record: LinearKVRequest) -> dict:
+    """`meta_info.cached_tokens_details.linearkv` of a request with this record: chunks served
+    from the cache or not (a miss: the request was prefilled in full), chunk tokens whose KV was
+    reused, prompt tokens the forward computed past the reused ones, and the question's state."""
+    return {"chunks_hit": record.chunks_hit, "chunks_missed": record.chunks_missed,
+            "reused_tokens": record.reused_tokens, "recomputed_tokens": record.recomputed_tokens,
+            "state_source": record.state_source}
+
+
+def with_state(plan: ChunkPlan, state: str) -> ChunkPlan:
+    return replace(plan, state=state)

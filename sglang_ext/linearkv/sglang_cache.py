@@ -1,0 +1,414 @@
+"""SGLang adapter: `--radix-cache-backend linearkv` (a Tail-Replay cache that also assembles
+position-independent chunks; the pure core is `sglang_ext/linearkv/serving.py`).
+
+A request's way through it (seams in `patches/linearkv_request.py` and this class):
+1. Arrival (tokenizer process): the chunks are found (token spans, or a separator string), and
+   one registration prefill per chunk (`max_new_tokens: 0`, `custom_params.linearkv.register`,
+   `extra_key` = the model's chunk namespace) runs before the request is sent on. A chunk already
+   registered costs a one-token throw-away prefill (`register_hit`); a new one is prefilled on its
+   own from a zero state and inserted with its end state (the tree's Mamba component keeps it).
+2. Match (scheduler): the prefix P = [0, c_1) is matched as Tail-Replay matches any prompt (its
+   plan gives the tree prefix p0 <= c_1, and the fallback if the chunks cannot be used). Every chunk
+   is looked up in the namespace; all present (and, for `predecessor`, the last one's end state)
+   -> the match reports the tokens [p0, question_start) as a load-back (SGLang's
+   `host_hit_length`), so admission budgets their slots like a HiCache load.
+3. Admission (`init_load_back`): the chunk nodes are locked, fresh slots allocated, the tree's KV of
+   [p0, c_1) copied and each chunk's KV copied with keys re-rotated to its offset (RoPE composes:
+   R(c_j) R(p) = R(c_j + p); the model's own rotary dims and base; NoPE attention is a plain copy);
+   the question's linear state is the last chunk's end state (copy-on-write from its node, kept
+   locked until the request is released) or zero. Any chunk gone by now -> the load is declined and
+   the request runs Tail-Replay's plan over P and prefills the rest.
+4. Forward: only Q (chunked prefill, CUDA graphs and the scheduler are untouched).
+5. Caching: an assembled request publishes nothing past c_1 (its chunk KV, question KV and states
+   are approximate); SGLang's release frees every slot past the tree-owned prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+from sglang_ext.linearkv.ops import rerotate_keys
+from sglang_ext.linearkv.serving import (
+    BACKEND_NAME,
+    LinearKVConfig,
+    LinearKVRequest,
+    check_server_flags,
+    is_registration,
+    plan_chunks,
+    request_field,
+)
+from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache
+from sglang_ext.tail_replay.request import record_of
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+
+__all__ = ["BACKEND_NAME", "LinearKVRadixCache", "linearkv_cache_factory", "linearkv_record"]
+
+#: attribute on SGLang's Req holding its LinearKVRequest
+_RECORD_ATTR = "_linearkv_record"
+
+
+def linearkv_record(req: Any) -> LinearKVRequest | None:
+    return getattr(req, _RECORD_ATTR, None)
+
+
+def _record_for(req: Any, config: LinearKVConfig) -> LinearKVRequest | None:
+    """The request's record, parsed once from its custom_params (validated on arrival); None for
+    requests without LinearKV fields."""
+    record = linearkv_record(req)
+    if record is not None:
+        return record
+    custom = getattr(req.sampling_params, "custom_params", None)
+    value = request_field(custom)
+    if value is None:
+        return None
+    if is_registration(custom):
+        record = LinearKVRequest(register=True)
+    else:
+        record = LinearKVRequest(plan=plan_chunks(value, len(req.origin_input_ids), config))
+    setattr(req, _RECORD_ATTR, record)
+    return record
+
+
+class KeyRelocator:
+    """Copies chunk KV between pool slots, re-rotating keys by the chunk's new offset."""
+
+    def __init__(self, kv_pool: Any, layers: list[tuple[int, Any]]):
+        self.kv_pool = kv_pool
+        self.layers = layers   # (layer id, rotary module or None for NoPE)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
+        for layer_id, rotary in self.layers:
+            k = self.kv_pool.get_key_buffer(layer_id)
+            v = self.kv_pool.get_value_buffer(layer_id)
+            keys = k[src]
+            if rotary is not None and delta:
+                keys = rerotate_keys(keys.float(), delta, rotary.rotary_dim, float(rotary.base),
+                                     neox=bool(rotary.is_neox_style)).to(k.dtype)
+            k[dst] = keys
+            v[dst] = v[src]
+
+
+def attention_layers(model: Any) -> list[tuple[int, Any]]:
+    """(layer id, rotary embedding or None) of every full-attention layer of an SGLang model."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    out = {}
+    for module in model.modules():
+        attn = getattr(module, "attn", None)
+        if isinstance(attn, RadixAttention):
+            out[attn.layer_id] = getattr(module, "rotary_emb", None)
+    return sorted(out.items())
+
+
+def check_rotary(layers: list[tuple[int, Any]]) -> None:
+    """Only plain RoPE (any rotary_dim, NeoX or GPT-J pairing) and NoPE can be re-rotated exactly."""
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    for layer_id, rotary in layers:
+        if rotary is not None and type(rotary) is not RotaryEmbedding:
+            raise ValueError(f"--radix-cache-backend linearkv: attention layer {layer_id} uses "
+                             f"{type(rotary).__name__} (scaled or multimodal RoPE); only plain RoPE and "
+                             "NoPE keys can be moved to a new offset")
+
+
+class LinearKVMambaComponent(TailReplayMambaComponent):
+    """Tail-Replay's Mamba component; chunk registrations keep their exact end state, assembled
+    requests publish nothing past their tree prefix."""
+
+    def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> int:
+        record = linearkv_record(req)
+        if record is None:
+            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+        if record.register and not record.register_hit:
+            return MambaComponent.prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished)
+        self._withhold(req, insert_params)
+        if record.assembled:
+            return min(token_ids_len, record.plan.prefix_end)
+        return token_ids_len
+
+    def _withhold(self, req: Any, insert_params: Any) -> None:
+        tr = record_of(req)
+        if tr is not None:
+            tr.state_withheld = True
+        else:
+            req._linearkv_state_withheld = True
+        insert_params.mamba_value = None
+
+    def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
+                                  insert_params: Any = None) -> None:
+        if getattr(req, "_linearkv_state_withheld", False):
+            req._linearkv_state_withheld = False
+            if is_finished:
+                self.cache.req_to_token_pool.free_mamba_cache(req)
+                return
+            return MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
+        record = linearkv_record(req)
+        if record is not None and record.register and not record.register_hit:
+            return MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
+        return super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
+
+    def finalize_match_result_in_cache(self, params, result):
+        record = linearkv_record(params.req) if params.req is not None else None
+        if record is not None and record.register:
+            if record.register_hit and params.cow_mamba and params.req.kv.holds_mamba:
+                params.req.kv.mamba_cow_src_index = None
+                params.req.kv.mamba_needs_clear = True
+            if record.register_hit:
+                return result
+            return MambaComponent.finalize_match_result_in_cache(self, params, result)
+        return super().finalize_match_result_in_cache(params, result)
+
+
+class LinearKVRadixCache(TailReplayRadixCache):
+    linearkv_config: LinearKVConfig = LinearKVConfig()
+    chunk_namespace: str = ""
+    relocator: KeyRelocator | None = None
+
+    # ---- match -------------------------------------------------------------------------------
+    def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
+        req = params.req
+        record = None if req is None else _record_for(req, self.linearkv_config)
+        if record is None:
+            return super()._match_tree(params)
+        record.reset_match()
+        self._drop_chunk_lock(req)
+        if record.register:
+            return self._match_registration(params, record)
+        if record.plan is None:
+            return super()._match_tree(params)
+        capped = MatchPrefixParams(key=params.key[:record.plan.prefix_end], cow_mamba=params.cow_mamba, req=req)
+        result = super()._match_tree(capped)
+        return self._plan_chunks(req, record, result)
+
+    def _match_registration(self, params: MatchPrefixParams, record: LinearKVRequest) -> MatchResult:
+        """A chunk registration: a one-token throw-away prefill when the chunk and its end state
+        are in the namespace, else a full prefill from zero (its end state is then stored)."""
+        key = params.key
+        n = len(key.token_ids)
+        found = self._find_chunk(key.token_ids, 0, n, need_state=True)
+        result = self.tree_core.match_prefix(MatchPrefixParams(key=key))
+        self._apply_cache_actions(result.cache_actions)
+        if found is not None and result.device_prefix_len >= n - 1:
+            record.register_hit = True
+            result = result._replace(device_prefix_len=n - 1)
+        else:
+            root = self.root_node_handle(key.extra_key)
+            result = result._replace(device_prefix_len=0, last_device_node=root, last_host_node=root,
+                                     best_match_node=root)
+        return UnifiedFinalize.finalize(self, params, result)
+
+    def _find_chunk(self, token_ids: Any, start: int, end: int, need_state: bool) -> Any:
+        """The namespace node holding chunk token_ids[start:end] in full (and its end state if
+        `need_state`), or None. Touches the chunk's LRU position (a hit)."""
+        key = RadixKey(token_ids[start:end], self.chunk_namespace)
+        result = self.tree_core.match_prefix(MatchPrefixParams(key=key))
+        self._apply_cache_actions(result.cache_actions)
+        if result.device_prefix_len != end - start:
+            return None
+        node = result.last_device_node
+        if self.tree_core.node_by_id(node) is None:
+            return None
+        if need_state and self.tree_core.get_component_device_value(node, ComponentType.MAMBA) is None:
+            return None
+        return node
+
+    def _chunk_nodes(self, req: Any, record: LinearKVRequest) -> list[Any] | None:
+        ids = req.origin_input_ids
+        nodes = []
+        for i, (start, end) in enumerate(record.plan.chunks):
+            last = i == len(record.plan.chunks) - 1
+            node = self._find_chunk(ids, start, end, need_state=last and record.plan.state == "predecessor")
+            if node is None:
+                return None
+            nodes.append(node)
+        return nodes
+
+    def _prefix_node(self, req: Any, record: LinearKVRequest) -> Any:
+        """The tree node ending the exact prefix P = [0, c_1) in full (its KV is all the
+        assembled request needs of P), or None when P is not cached in full."""
+        if record.plan.prefix_end == 0:
+            return self.root_node_handle(req.extra_key)
+        key = RadixKey(req.origin_input_ids[:record.plan.prefix_end], req.extra_key, cache_salt=req.cache_salt)
+        result = self.tree_core.match_prefix(MatchPrefixParams(key=key))
+        self._apply_cache_actions(result.cache_actions)
+        return result.last_device_node if result.device_prefix_len == record.plan.prefix_end else None
+
+    def _plan_chunks(self, req: Any, record: LinearKVRequest, result: MatchResult) -> MatchResult:
+        plan = record.plan
+        record.tree_prefix_len = result.device_prefix_len
+        prefix_node = self._prefix_node(req, record)
+        nodes = None if prefix_node is None else self._chunk_nodes(req, record)
+        if nodes is None:
+            record.chunks_missed = len(plan.chunks)
+            return result
+        record.chunks_hit = len(plan.chunks)
+        return result._replace(host_hit_length=plan.question_start - result.device_prefix_len)
+
+    # ---- admission: place the chunk KV into the request's own slots ---------------------------
+    def init_load_back(self, params: Any):
+        req = params.req
+        record = None if req is None else linearkv_record(req)
+        if record is None or record.plan is None or record.register or record.chunks_hit == 0:
+            return super().init_load_back(params)
+        loaded = self._assemble(req, record)
+        return loaded, req.last_node
+
+    def load_back_is_cache_owned(self) -> bool:
+        return False   # the assembled slots are the request's own; the tree owns only [0, p0)
+
+    def _assemble(self, req: Any, record: LinearKVRequest) -> int:
+        plan = record.plan
+        prefix_node = self._prefix_node(req, record)
+        nodes = None if prefix_node is None else self._chunk_nodes(req, record)
+        if nodes is None:
+            record.chunks_hit, record.chunks_missed = 0, len(plan.chunks)
+            return 0
+        locks = [self.lock(node) for node in [prefix_node, *nodes]]
+        try:
+            p0 = record.tree_prefix_len
+            total = plan.question_start - p0
+            slots = self._alloc(total)
+            if slots is None:
+                record.chunks_hit, record.chunks_missed = 0, len(plan.chunks)
+                return 0
+            self._copy_prefix(req, prefix_node, p0, slots[:plan.prefix_end - p0])
+            for node, (start, end) in zip(nodes, plan.chunks):
+                src = self.tree_core.collect_full_device_indices(node, self.root_node_handle(self.chunk_namespace))
+                self.relocator.copy(src[:end - start], slots[start - p0:end - p0], delta=start)
+            self._seed_state(req, record, nodes[-1])
+        finally:
+            keep = locks.pop() if record.state_source == "predecessor" else None
+            for lock in locks:
+                self.unlock(lock)
+        req._linearkv_chunk_lock = keep
+        req._linearkv_slots = slots
+        record.assembled = True
+        record.reused_tokens = plan.chunk_tokens
+        record.recomputed_tokens = len(req.origin_input_ids) - plan.question_start
+        tr = record_of(req)
+        if tr is not None:   # the Tail-Replay plan over P was only the fallback
+            tr.plan, tr.kv_slots, tr.own_end = None, None, None
+        return total
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        allocator = self.token_to_kv_pool_allocator
+        slots = allocator.alloc(n)
+        if slots is None:
+            self.evict_for_alloc(EvictParams(num_tokens=n))
+            slots = allocator.alloc(n)
+        return slots
+
+    def _copy_prefix(self, req: Any, prefix_node: Any, start: int, dst: torch.Tensor) -> None:
+        """The tree's exact KV of [start, c_1) (the part of P Tail-Replay would have replayed)."""
+        if len(dst) == 0:
+            return
+        path = self.tree_core.collect_full_device_indices(prefix_node, self.root_node_handle(req.extra_key))
+        self.relocator.copy(path[start:start + len(dst)], dst, delta=0)
+
+    def _seed_state(self, req: Any, record: LinearKVRequest, last_node: Any) -> None:
+        kv = req.kv
+        if not kv.holds_mamba:
+            slot = self.req_to_token_pool.mamba_allocator.alloc(1)
+            if slot is None:
+                self.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+                slot = self.req_to_token_pool.mamba_allocator.alloc(1)
+            assert slot is not None, "linearkv: no free state slot for an admitted request"
+            kv.mamba_pool_idx = slot[0]
+        if record.plan.state == "predecessor":
+            kv.mamba_cow_src_index = self.tree_core.get_component_device_value(last_node, ComponentType.MAMBA)
+            kv.mamba_needs_clear = False
+            record.state_source = "predecessor"
+        else:
+            kv.mamba_cow_src_index = None
+            kv.mamba_needs_clear = True
+            record.state_source = "zero"
+
+    def prefix_device_indices(self, req: Any) -> torch.Tensor:
+        record = linearkv_record(req)
+        slots = getattr(req, "_linearkv_slots", None)
+        if record is None or not record.assembled or slots is None:
+            return super().prefix_device_indices(req)
+        p0 = record.tree_prefix_len
+        path = self.tree_core.collect_full_device_indices(req.last_node, self.root_node_handle(req.extra_key))
+        out = torch.cat([path[:p0].to(torch.int64), slots.to(torch.int64)])
+        assert len(out) == req.prefix_len, (req.rid, len(out), req.prefix_len)
+        req._linearkv_slots = None   # the row owns them from here on (freed at release)
+        return out
+
+    # ---- release -----------------------------------------------------------------------------
+    def _drop_chunk_lock(self, req: Any) -> None:
+        lock = getattr(req, "_linearkv_chunk_lock", None)
+        if lock is not None:
+            req._linearkv_chunk_lock = None
+            self.unlock(lock)
+
+    def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        self._drop_chunk_lock(req)
+        record = linearkv_record(req)
+        if record is not None and req.finished():
+            from sglang_ext.linearkv.metrics import record_request
+
+            record_request(record)
+        super().on_release(req, checkpointed=checkpointed)
+
+
+class UnifiedFinalize:
+    """Call UnifiedRadixCache's finalizers directly (skipping Tail-Replay's planner)."""
+
+    @staticmethod
+    def finalize(cache: LinearKVRadixCache, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        return UnifiedRadixCache._finalize_match_result(cache, params, result)
+
+
+@functools.lru_cache(maxsize=1)
+def server_linearkv_config() -> LinearKVConfig:
+    from sglang_ext.env import linearkv_config_text
+    from sglang_ext.linearkv.serving import parse_config
+
+    return parse_config(linearkv_config_text())
+
+
+def linearkv_cache_factory(ctx: Any) -> Any:
+    """`--radix-cache-backend linearkv`: SGLang calls this once per scheduler at start-up."""
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    from sglang_ext.tail_replay import server_config
+    from sglang_ext.tail_replay.startup import check_scheduler_start
+
+    config = server_linearkv_config()
+    tail_config = server_config()
+    check_scheduler_start(ctx, tail_config)
+    if not ctx.is_hybrid_ssm:
+        raise ValueError("--radix-cache-backend linearkv needs a hybrid model with linear-attention "
+                         "or SSM layers (GDN, Mamba-2); this model has none")
+    check_server_flags(ctx.server_args)
+    model = ctx.tp_worker.model_runner.model
+    layers = attention_layers(model)
+    check_rotary(layers)
+    ctx.params.component_registry_override = {
+        **(ctx.params.component_registry_override or {}),
+        ComponentType.MAMBA: LinearKVMambaComponent,
+    }
+    cache_class = type("LinearKVRadixCache", (LinearKVRadixCache,), {
+        "tail_replay_config": tail_config, "linearkv_config": config,
+        "chunk_namespace": chunk_namespace(ctx.server_args)})
+    cache = create_unified_radix_cache(ctx, cache_class=cache_class)
+    cache.relocator = KeyRelocator(cache.token_to_kv_pool_allocator.get_kvcache(), layers)
+    return cache
+
+
+def chunk_namespace(server_args: Any) -> str:
+    from sglang_ext.linearkv.serving import namespace
+
+    return namespace(str(getattr(server_args, "served_model_name", None) or server_args.model_path))
