@@ -29,8 +29,7 @@ TARGET = "srt/managers/tokenizer_manager.py: TokenizerManager.generate_request"
 
 @functools.lru_cache(maxsize=4)
 def _server(radix_cache_backend: str | None, model: str) -> tuple[Any, str] | None:
-    from sglang_ext.linearkv.serving import BACKEND_NAME, namespace
-    from sglang_ext.linearkv.sglang_cache import server_linearkv_config
+    from sglang_ext.linearkv import BACKEND_NAME, namespace, server_linearkv_config
 
     if radix_cache_backend != BACKEND_NAME:
         return None
@@ -65,7 +64,7 @@ def _segments_ids(tokenizer: Any, parts: list[str]) -> list[list[int]]:
 
 def _by_separator(manager: Any, obj: Any, separator: str) -> list[list[int]] | None:
     """Chunk spans from the separator, rewriting obj to input_ids; None if the prompt holds no chunk."""
-    from sglang_ext.linearkv.serving import spans_of_segments, split_by_separator
+    from sglang_ext.linearkv import spans_of_segments, split_by_separator
 
     if isinstance(obj.text, str):
         text = obj.text
@@ -92,7 +91,7 @@ def _prompt_ids(manager: Any, obj: Any) -> list[int]:
 def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
     """Rewrite obj (separator mode), validate its chunks; return the chunks' token ids to register
     ([] for a request without chunks). ValueError naming the field on bad input."""
-    from sglang_ext.linearkv.serving import plan_chunks, request_field
+    from sglang_ext.linearkv import plan_chunks, request_field
 
     config, _ = server
     if not _is_single(obj):

@@ -27,8 +27,8 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: plan_summary(plan)}
         linearkv = getattr(req, "_linearkv_record", None)
         if linearkv is not None and not linearkv.register and linearkv.plan is not None:
-            from sglang_ext.linearkv.serving import META_KEY as LINEARKV_KEY
-            from sglang_ext.linearkv.serving import summary
+            from sglang_ext.linearkv import META_KEY as LINEARKV_KEY
+            from sglang_ext.linearkv import summary
 
             details = {**(details or {"device": req.cached_tokens, "host": 0}), LINEARKV_KEY: summary(linearkv)}
         return details

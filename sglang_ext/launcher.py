@@ -186,7 +186,8 @@ def _export_tail_replay_config(text: str | None) -> None:
 def _export_linearkv_config(text: str | None) -> None:
     """`--linearkv-config`: validated here (naming the key), then handed to every process."""
     from sglang_ext.env import export_linearkv_config
-    from sglang_ext.linearkv.serving import LinearKVConfigError, parse_config
+    from sglang_ext.linearkv import LinearKVConfigError
+    from sglang_ext.linearkv import parse_server_config as parse_config
 
     if text is None:
         return

@@ -62,7 +62,7 @@ def before_resolve(server_args: Any, *args: Any, **kwargs: Any) -> None:
 
 def selects_tail_replay(server_args: Any) -> bool:
     """Tail-Replay's backend, or LinearKV's (which serves the exact prefix with Tail-Replay)."""
-    from sglang_ext.linearkv.serving import BACKEND_NAME as LINEARKV
+    from sglang_ext.linearkv import BACKEND_NAME as LINEARKV
     from sglang_ext.tail_replay import BACKEND_NAME
 
     return getattr(server_args, "radix_cache_backend", None) in (BACKEND_NAME, LINEARKV)
@@ -79,7 +79,8 @@ def check_main_process(server_args: Any) -> list[str]:
     (TailReplayConfigError / StartupError) naming the key or both flags; return the summary.
     A local model folder's decay.json becomes the config's `decay_profile` (for budget "auto")."""
     from sglang_ext.env import export_tail_replay_config, linearkv_config_text, tail_replay_config_text
-    from sglang_ext.linearkv.serving import check_server_flags, parse_config
+    from sglang_ext.linearkv import check_server_flags
+    from sglang_ext.linearkv import parse_server_config as parse_config
     from sglang_ext.tail_replay import check_start, facts_from_server_args, server_config, with_model_profile
 
     check_server_flags(server_args)
@@ -103,12 +104,12 @@ def register_cache_backends() -> None:
     """Make `--radix-cache-backend tail_replay` and `linearkv` selectable (idempotent)."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
-    from sglang_ext.linearkv.serving import BACKEND_NAME as LINEARKV
+    from sglang_ext.linearkv import BACKEND_NAME as LINEARKV
     from sglang_ext.tail_replay import BACKEND_NAME, tail_replay_cache_factory
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, tail_replay_cache_factory)
     if LINEARKV not in registered_radix_cache_backends():
-        from sglang_ext.linearkv.sglang_cache import linearkv_cache_factory
+        from sglang_ext.linearkv import linearkv_cache_factory
 
         register_radix_cache_backend(LINEARKV, linearkv_cache_factory)

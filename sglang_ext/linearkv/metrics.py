@@ -27,7 +27,7 @@ def _counters() -> dict:
 def _this_rank_records() -> bool:
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_ext.tail_replay.metrics import is_recording_rank
+    from sglang_ext.tail_replay import is_recording_rank
 
     parallel = get_parallel()
     return is_recording_rank(parallel.attn_tp_rank, parallel.attn_cp_rank, parallel.pp_rank)

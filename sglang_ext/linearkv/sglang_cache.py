@@ -44,8 +44,7 @@ from sglang_ext.linearkv.serving import (
     plan_chunks,
     request_field,
 )
-from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache
-from sglang_ext.tail_replay.request import record_of
+from sglang_ext.tail_replay import TailReplayMambaComponent, TailReplayRadixCache, record_of
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchResult

@@ -1,0 +1,98 @@
+"""LinearKV serving core (pure): config, request spans, short-chunk joining, separator splitting."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_ext.linearkv.serving import (
+    ChunkPlan,
+    LinearKVConfig,
+    LinearKVConfigError,
+    LinearKVRequest,
+    check_server_flags,
+    join_short,
+    parse_config,
+    plan_chunks,
+    request_field,
+    spans_of_segments,
+    split_by_separator,
+    summary,
+)
+
+
+def test_config_defaults_and_values():
+    assert parse_config(None) == LinearKVConfig()
+    assert parse_config('{"state": "zero", "min_chunk_tokens": 4, "separator": " # # "}') == LinearKVConfig(
+        state="zero", min_chunk_tokens=4, separator=" # # ")
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ('{"selector": "epic-16"}', "key 'selector'"),
+    ('{"state": "compose"}', "key 'state'"),
+    ('{"min_chunk_tokens": 0}', "key 'min_chunk_tokens'"),
+    ('{"min_chunk_tokens": true}', "key 'min_chunk_tokens'"),
+    ('{"separator": ""}', "key 'separator'"),
+    ('{"k": 16}', "unknown key 'k'"),
+    ("[1]", "must be a JSON object"),
+    ("{", "not valid JSON"),
+])
+def test_bad_config_names_the_key(text, needle):
+    with pytest.raises(LinearKVConfigError, match=needle):
+        parse_config(text)
+
+
+def test_plan_chunks_accepts_contiguous_spans_and_joins_short_ones():
+    config = LinearKVConfig(min_chunk_tokens=10)
+    plan = plan_chunks({"chunks": [[5, 20], [20, 24], [24, 40]]}, 50, config)
+    assert plan == ChunkPlan(((5, 20), (20, 40)), "predecessor")
+    assert (plan.prefix_end, plan.question_start, plan.chunk_tokens) == (5, 40, 35)
+    assert plan_chunks({"chunks": [[0, 4]], "state": "zero"}, 10, config) is None   # all joined into Q
+
+
+@pytest.mark.parametrize(("value", "needle"), [
+    ({"chunks": [[0, 10], [11, 20]]}, r"chunks\[1\] starts at 11 but chunk 0 ends at 10"),
+    ({"chunks": [[3, 3]]}, r"chunks\[0\] = \[3, 3\]"),
+    ({"chunks": [[0, 50]]}, "at least one question token"),
+    ({"chunks": [[0, "9"]]}, r"chunks\[0\] must be \[start, end\]"),
+    ({"chunks": []}, "non-empty list"),
+    ({"chunks": [[0, 10]], "state": "compose"}, "custom_params.linearkv.state"),
+])
+def test_bad_spans_name_the_field(value, needle):
+    with pytest.raises(ValueError, match=needle):
+        plan_chunks(value, 50, LinearKVConfig(min_chunk_tokens=1))
+
+
+def test_request_field_checks_shape_and_keys():
+    assert request_field(None) is None and request_field({"other": 1}) is None
+    with pytest.raises(ValueError, match="custom_params.linearkv must be a JSON object"):
+        request_field({"linearkv": [1]})
+    with pytest.raises(ValueError, match="unknown key 'chunk'"):
+        request_field({"linearkv": {"chunk": []}})
+
+
+def test_join_short_keeps_spans_contiguous():
+    assert join_short([(0, 3), (3, 5), (5, 20), (20, 22)], 5) == [(0, 5), (5, 20)]
+    assert join_short([(0, 10)], 11) == []
+
+
+def test_separator_segments_to_spans():
+    assert split_by_separator("sys|a|b|q", "|") == ["sys", "a", "b", "q"]
+    assert split_by_separator("sys|q", "|") is None
+    assert spans_of_segments([3, 5, 0, 4, 2]) == [[3, 8], [8, 12]]
+
+
+def test_summary_and_server_flags():
+    record = LinearKVRequest(plan=ChunkPlan(((0, 8),), "zero"), chunks_hit=1, reused_tokens=8,
+                             recomputed_tokens=3, state_source="zero", assembled=True)
+    assert summary(record) == {"chunks_hit": 1, "chunks_missed": 0, "reused_tokens": 8, "recomputed_tokens": 3,
+                               "state_source": "zero"}
+
+    class Args:
+        radix_cache_backend, page_size, mamba_scheduler_strategy = "linearkv", 16, "no_buffer"
+    with pytest.raises(ValueError, match="--page-size 1"):
+        check_server_flags(Args())
+    Args.page_size, Args.mamba_scheduler_strategy = 1, "extra_buffer"
+    with pytest.raises(ValueError, match="no_buffer"):
+        check_server_flags(Args())
+    Args.radix_cache_backend = "tail_replay"
+    check_server_flags(Args())
