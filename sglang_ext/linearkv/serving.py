@@ -183,7 +183,7 @@ def _spans(raw: Any, n_tokens: int) -> list[tuple[int, int]]:
     where = "custom_params.linearkv.chunks"
     if not isinstance(raw, Sequence) or isinstance(raw, (str, bytes)) or not raw:
         raise ValueError(f"{where} must be a non-empty list of [start, end] token spans")
-    spans = []
+    spans: list[tuple[int, int]] = []
     for i, span in enumerate(raw):
         ok = isinstance(span, Sequence) and len(span) == 2 and all(
             isinstance(x, int) and not isinstance(x, bool) for x in span)
@@ -224,7 +224,8 @@ def split_by_separator(text: str, separator: str) -> list[str] | None:
 
 def spans_of_segments(lengths: Sequence[int]) -> list[list[int]]:
     """Token spans of the chunks from the token counts of [P, C_1, .., C_K, Q] (empty chunks dropped)."""
-    spans, pos = [], lengths[0]
+    spans: list[list[int]] = []
+    pos = lengths[0]
     for n in lengths[1:-1]:
         if n > 0:
             spans.append([pos, pos + n])
