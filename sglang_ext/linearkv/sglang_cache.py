@@ -121,7 +121,8 @@ def check_rotary(layers: list[tuple[int, Any]]) -> None:
 
 class LinearKVMambaComponent(TailReplayMambaComponent):
     """Tail-Replay's Mamba component; chunk registrations keep their exact end state, assembled
-    requests publish nothing past their tree prefix."""
+    requests publish nothing past their tree prefix, requests whose chunks were not all served
+    (fallback: Tail-Replay over P, the rest prefilled) follow Tail-Replay's rules."""
 
     def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> int:
         record = linearkv_record(req)
@@ -129,6 +130,8 @@ class LinearKVMambaComponent(TailReplayMambaComponent):
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
         if record.register and not record.register_hit:
             return MambaComponent.prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished)
+        if not (record.register_hit or record.assembled):   # a fallback: Tail-Replay's rules
+            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
         self._withhold(req, insert_params)
         if record.assembled:
             return min(token_ids_len, record.plan.prefix_end)
