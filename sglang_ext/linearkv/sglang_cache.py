@@ -268,6 +268,11 @@ class LinearKVRadixCache(TailReplayRadixCache):
         return False   # the assembled slots are the request's own; the tree owns only [0, p0)
 
     def _assemble(self, req: Any, record: LinearKVRequest) -> int:
+        """Copy the KV into fresh slots and seed the question's state; the number of tokens placed
+        (0: declined). The copies run on the scheduler's stream at admission; SGLang's overlap
+        scheduler makes the forward stream wait on that stream before it launches the batch that
+        reads them, and the source nodes stay locked until the copies are enqueued (the last
+        chunk's, whose state the deferred copy-on-write reads, until the request is released)."""
         plan = record.plan
         prefix_node = self._prefix_node(req, record)
         nodes = None if prefix_node is None else self._chunk_nodes(req, record)
