@@ -14,8 +14,9 @@ the wing only through its public face, `sglang_ext.tail_replay` (whose docstring
 request through them): `tail_replay_request` (request check on arrival), `tail_replay_sizing` and
 `tail_replay_pages` (start-up: state-pool size, pages > 1), `tail_replay_batch` (tail rows per
 forward batch, metrics), `tail_replay_attention` and `tail_replay_prefill_graph` (exact cached K/V
-for the tail), `tail_replay_meta` (the per-request summaries in meta_info, Tail-Replay's and
-LinearKV's), `linearkv_request` (LinearKV: chunks found and registered on arrival).
+for the tail), `tail_replay_gdn_bound` and `tail_replay_mamba2_bound` (each approximate replay's
+state bound from its tail's gates), `tail_replay_meta` (the per-request summaries in meta_info,
+Tail-Replay's and LinearKV's), `linearkv_request` (LinearKV: chunks found and registered on arrival).
 
 Applying a module twice is a no-op. Spawned SGLang children re-apply from `sglang_ext.env`'s
 `SGLANG_EXT_PATCH_MODE`: under the launcher through `sglang_ext.spawn_main` (imported by every
@@ -50,7 +51,7 @@ CPU_PATCHES: tuple[str, ...] = (
 )
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
-                                "tail_replay_meta",
+                                "tail_replay_gdn_bound", "tail_replay_mamba2_bound", "tail_replay_meta",
                                 "tail_replay_request", "tail_replay_sizing", "tail_replay_pages",
                                 "request_token_ids", "linearkv_request",
                                 "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat")

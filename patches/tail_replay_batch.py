@@ -1,11 +1,14 @@
-"""Exact-KV Tail-Replay, part 1: find a forward batch's replayed-tail rows and their tree slots.
+"""Exact-KV Tail-Replay, part 1: find a forward batch's replayed-tail rows and their tree slots
+(and, for the state bound, the rows of every approximate replay's tail).
 
 Target (SGLang 0.5.23): `srt/model_executor/forward_batch_info.py::ForwardBatch.init_new`. Per
 extend forward, the rows of the packed batch that belong to a request's replayed tail
 [prefix_len, L), and the tree's KV slots for them (the record's `kv_slots`, set by the
 tail_replay cache at match; `sglang_ext.tail_replay.record_of`), are kept in a small registry;
 `patches/tail_replay_attention.py` and `tail_replay_prefill_graph.py` read them (`tail_of`).
-Also records each request's Tail-Replay plan in the metrics at its first forward.
+The rows of approximate replays' tails (either KV mode), with each request's `TailDecay`, are kept
+beside them for the gate hooks (`bound_segments_of`: `patches/tail_replay_gdn_bound.py`,
+`tail_replay_mamba2_bound.py`). Also records each request's Tail-Replay plan in the metrics at its first forward.
 Requests without a Tail-Replay record are untouched.
 
 Why a registry and not the request record or the batch: the rows are positions in one packed
@@ -19,6 +22,7 @@ so their ids are not reused while an entry lives; it keeps the entries of the la
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,12 +30,12 @@ from typing import Any
 
 import torch
 
-from sglang_ext.tail_replay import record_first_forward, record_of
+from sglang_ext.tail_replay import BoundSegments, HitKind, bound_segments, record_first_forward, record_of
 
 #: (rows, slots, kv pool) of a batch's replayed tails
 Tail = tuple[torch.Tensor, torch.Tensor, Any]
 
-#: tail rows/slots of recent extend batches, keyed by id() of the batch's `extend_seq_lens_cpu`
+#: tail rows/slots (and bound segments) of recent extend batches, keyed by id() of the batch's `extend_seq_lens_cpu`
 #: list and `extend_seq_lens` tensor (see the module docstring); each entry holds its key object.
 _TAIL_BY_BATCH: OrderedDict[int, tuple] = OrderedDict()
 _MAX_BATCHES_IN_FLIGHT = 8
@@ -57,6 +61,18 @@ def _tail_rows_and_slots(reqs: Sequence[Any], prefix_lens: Sequence[int], extend
     return torch.cat(rows), torch.cat(slots)
 
 
+def _bound_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens: Sequence[int]
+                    ) -> BoundSegments | None:
+    """Rows of the packed extend batch inside approximate replays' tails, per request."""
+    tails = []
+    for req in reqs:
+        record = record_of(req)
+        plan = None if record is None else record.plan
+        approximate = record is not None and plan is not None and plan.kind is HitKind.APPROXIMATE
+        tails.append((record.tail_decay, plan.replay_start, plan.matched_tokens) if approximate else None)
+    return bound_segments(tails, prefix_lens, extend_lens)
+
+
 def _record_first_forward(reqs: Sequence[Any]) -> None:
     for req in reqs:
         record = record_of(req)
@@ -73,8 +89,15 @@ def _wrap_init_new(original: classmethod) -> classmethod:
             prefix = fb.extend_prefix_lens_cpu or fb.extend_prefix_lens.tolist()
             extend = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
             rows, slots = _tail_rows_and_slots(batch.reqs, prefix, extend)
-            if rows is not None:
-                _remember(_batch_keys(fb), rows.to(fb.input_ids.device), slots, model_runner.token_to_kv_pool)
+            segments = _bound_segments(batch.reqs, prefix, extend)
+            if rows is not None or segments is not None:
+                device = fb.input_ids.device
+                if rows is not None:
+                    rows = rows.to(device)
+                if segments is not None:
+                    segments = dataclasses.replace(segments, rows=segments.rows.to(device),
+                                                   segment=segments.segment.to(device))
+                _remember(_batch_keys(fb), rows, slots, model_runner.token_to_kv_pool, segments)
         return fb
 
     return classmethod(init_new)
@@ -85,20 +108,33 @@ def _batch_keys(forward_batch: Any) -> list:
     return [key for key in keys if key is not None]
 
 
-def _remember(keys: list, rows: torch.Tensor, slots: torch.Tensor, kv_pool: Any) -> None:
+def _remember(keys: list, rows: torch.Tensor | None, slots: torch.Tensor | None, kv_pool: Any,
+              segments: BoundSegments | None) -> None:
     for key in keys:
-        _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool)
+        _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool, segments)
     while len(_TAIL_BY_BATCH) > 2 * _MAX_BATCHES_IN_FLIGHT:
         _TAIL_BY_BATCH.popitem(last=False)
 
 
-def tail_of(forward_batch: Any) -> Tail | None:
-    """(rows, slots, kv pool) of the replayed tails in this forward batch (or a copy of it), or None."""
+def _entry_of(forward_batch: Any) -> tuple | None:
     for key in _batch_keys(forward_batch):
         entry = _TAIL_BY_BATCH.get(id(key))
         if entry is not None and entry[0] is key:
-            return entry[1:]
+            return entry
     return None
+
+
+def tail_of(forward_batch: Any) -> Tail | None:
+    """(rows, slots, kv pool) of the exact-KV replayed tails in this forward batch (or a copy of
+    it), or None."""
+    entry = _entry_of(forward_batch)
+    return None if entry is None or entry[1] is None else (entry[1], entry[2], entry[3])
+
+
+def bound_segments_of(forward_batch: Any) -> BoundSegments | None:
+    """The rows of approximate replays' tails in this forward batch (or a copy of it), or None."""
+    entry = _entry_of(forward_batch)
+    return None if entry is None else entry[4]
 
 
 def apply() -> None:

@@ -1,8 +1,9 @@
 """Tail-Replay's per-request summary in `meta_info["cached_tokens_details"]["tail_replay"]`, and
 LinearKV's in `["linearkv"]` (requests with chunks on `--radix-cache-backend linearkv`).
 
-Reads the request's Tail-Replay record (`sglang_ext.tail_replay.plan_of`); requests without one
-(no Tail-Replay match) keep SGLang's details unchanged.
+Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and writes
+`replay_summary(record)` (the plan, and for an approximate hit the state bound from its tail's
+gates); requests without a plan (no Tail-Replay match) keep SGLang's details unchanged.
 
 Target (SGLang 0.5.23): `srt/managers/scheduler_components/output_streamer.py::
 SchedulerOutputStreamer.get_cached_tokens_details`.
@@ -20,11 +21,11 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_cached_tokens_details(self, req):
         details = original(self, req)
-        from sglang_ext.tail_replay import META_KEY, plan_of, plan_summary
+        from sglang_ext.tail_replay import META_KEY, record_of, replay_summary
 
-        plan = plan_of(req)
-        if plan is not None:
-            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: plan_summary(plan)}
+        record = record_of(req)
+        if record is not None and record.plan is not None:
+            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: replay_summary(record)}
         linearkv = getattr(req, "_linearkv_record", None)
         if linearkv is not None and not linearkv.register and linearkv.plan is not None:
             from sglang_ext.linearkv import META_KEY as LINEARKV_KEY

@@ -64,8 +64,10 @@ from sglang_ext.tail_replay.metrics import (
     META_KEY,
     is_recording_rank,
     plan_summary,
+    record_bound,
     record_first_forward,
     record_plan,
+    replay_summary,
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attach, plan_of, record_of
@@ -75,6 +77,15 @@ from sglang_ext.tail_replay.startup import (
     check_start,
     facts_from_server_args,
     request_limits,
+)
+from sglang_ext.tail_replay.state_bound import (
+    BoundSegments,
+    StateBound,
+    TailDecay,
+    bound_segments,
+    gdn_log_decay,
+    mamba2_log_decay,
+    summarize,
 )
 
 #: names served from `cache` (it imports SGLang's unified radix cache), loaded on first use
@@ -86,7 +97,9 @@ __all__ = [
     "with_overrides", "user_settings", "with_model_profile", "AUTO",
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
     "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of",
-    "META_KEY", "is_recording_rank", "plan_summary", "record_first_forward", "record_plan",
+    "META_KEY", "is_recording_rank", "plan_summary", "record_bound", "record_first_forward", "record_plan",
+    "replay_summary",
+    "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
     "ServerFacts", "StartupError", "check_start", "facts_from_server_args", "request_limits",
     *_FROM_CACHE,
 ]

@@ -185,7 +185,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
         config = record.config
         ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
         plan = plan_replay(result.device_prefix_len, ckpt_len or None, self.page_size, config)
-        record.plan = plan
+        record.set_plan(plan)
         record.kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
         own_tail.begin(record, plan, config.kv_mode)   # recompute: the request keeps its tail KV
         if plan.kind is HitKind.EXACT_CHECKPOINT:

@@ -1,6 +1,7 @@
 """Prometheus counters for Tail-Replay (served on SGLang's /metrics with --enable-metrics),
 and the per-request summary put into `meta_info`. Recorded once per request, at its first
-forward, in the scheduler process (SGLang runs prometheus_client in multiprocess mode).
+forward, in the scheduler process (SGLang runs prometheus_client in multiprocess mode); the
+state-bound histogram once per approximate hit, at its first output (when its tail is replayed).
 
 Under tensor / context / pipeline parallelism every rank of a model replica runs the same batch,
 so the counters are recorded only on the replica's first rank (attention-TP rank 0, attention-CP
@@ -12,16 +13,19 @@ from __future__ import annotations
 
 import functools
 
-from sglang_ext.tail_replay.planner import ReplayPlan
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.request import TailReplayRequest
+from sglang_ext.tail_replay.state_bound import summarize
 
 #: key of the per-request summary in `meta_info["cached_tokens_details"]`
 META_KEY = "tail_replay"
+#: histogram buckets of the state bound (a relative error: 0 .. 1)
+STATE_BOUND_BUCKETS = (1e-9, 1e-6, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
 @functools.lru_cache(maxsize=1)
 def _counters() -> dict:
-    from prometheus_client import Counter
+    from prometheus_client import Counter, Histogram
 
     return {
         "matched": Counter("sglang_ext:tail_replay_matched_tokens",
@@ -31,6 +35,10 @@ def _counters() -> dict:
         "replayed": Counter("sglang_ext:tail_replay_replayed_tokens",
                             "Matched tokens run through the model again to rebuild linear-layer state"),
         "hits": Counter("sglang_ext:tail_replay_hits", "Requests by hit kind", ["kind"]),
+        "state_bound": Histogram(
+            "sglang_ext:tail_replay_state_bound",
+            "Approximate hits: bound on the replayed linear state's relative error, max over layers and "
+            "heads of exp(sum of the replayed tail's log-decay)", buckets=STATE_BOUND_BUCKETS),
     }
 
 
@@ -65,6 +73,32 @@ def record_first_forward(record: TailReplayRequest) -> None:
 
 
 def plan_summary(plan: ReplayPlan) -> dict:
-    """`meta_info.cached_tokens_details.tail_replay` of a request with this plan."""
+    """The plan's part of `meta_info.cached_tokens_details.tail_replay`."""
     return {"kind": plan.kind.value, "matched_tokens": plan.matched_tokens,
             "reused_tokens": plan.prefix_len, "replayed_tokens": plan.replayed_tokens}
+
+
+def replay_summary(record: TailReplayRequest) -> dict:
+    """`meta_info.cached_tokens_details.tail_replay` of a request with a plan: `plan_summary`, and
+    for an approximate hit `state_bound` / `state_bound_per_layer` (`state_bound.StateBound`; None
+    where the forward did not see the whole tail's gates). Call once its tail is replayed (at an
+    output): the bound is computed at the first call (one host sync), kept in the record, and goes
+    into the histogram once per request."""
+    assert record.plan is not None
+    summary = plan_summary(record.plan)
+    if record.plan.kind is not HitKind.APPROXIMATE:
+        return summary
+    if record.bound is None:
+        record.bound = summarize(record.tail_decay, record.plan.replayed_tokens)
+        if record.bound is not None and not record.bound_recorded:
+            record.bound_recorded = True
+            record_bound(record.bound.state_bound)
+    bound = record.bound
+    summary["state_bound"] = None if bound is None else bound.state_bound
+    summary["state_bound_per_layer"] = None if bound is None else list(bound.per_layer)
+    return summary
+
+
+def record_bound(state_bound: float) -> None:
+    if _this_rank_records():
+        _counters()["state_bound"].observe(state_bound)

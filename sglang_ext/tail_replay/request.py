@@ -9,17 +9,18 @@ Life of a record (scheduler process):
   resolved once (server config + `custom_params["tail_replay"]`); a re-match (after retraction)
   keeps the record and its config, and replaces the plan and the tail's slots;
 - read by the forward (`patches/tail_replay_batch.py`: tail rows and slots, metrics at the first
-  forward), the output (`patches/tail_replay_meta.py`) and the cache (`tail_replay.cache`,
+  forward; the gate hooks add the tail's log-decay to `tail_decay`), the output (`patches/tail_replay_meta.py`) and the cache (`tail_replay.cache`,
   `tail_replay.own_tail`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.planner import ReplayPlan
+from sglang_ext.tail_replay.state_bound import StateBound, TailDecay
 
 if TYPE_CHECKING:
     import torch
@@ -47,6 +48,20 @@ class TailReplayRequest:
     own_end: int | None = None
     #: kv_mode "recompute": (first position, KV slots) the request holds as its own tail
     own_kv: tuple[int, torch.Tensor] | None = None
+    #: approximate plans: the replayed tail's summed log-decay per linear layer, added by the
+    #: forward (`patches/tail_replay_gdn_bound.py`, `tail_replay_mamba2_bound.py`) chunk by chunk;
+    #: replaced with the plan at every match
+    tail_decay: TailDecay = field(default_factory=TailDecay)
+    #: the state bound computed from `tail_decay` at the first output (`metrics.replay_summary`)
+    bound: StateBound | None = None
+    #: whether the bound went into the histogram (once per request)
+    bound_recorded: bool = False
+
+    def set_plan(self, plan: ReplayPlan) -> None:
+        """A (re-)match: the new plan, with the bound's accumulator emptied."""
+        self.plan = plan
+        self.tail_decay = TailDecay()
+        self.bound = None
 
 
 def record_of(req: Any) -> TailReplayRequest | None:

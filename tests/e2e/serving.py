@@ -43,5 +43,5 @@ def continue_conversation(server, first_len=300, seed=7):
 
 def metric_total(metrics_text: str, name: str, labels: str = "") -> float:
     """Sum of a Prometheus sample over label sets (optionally those containing `labels`)."""
-    pattern = rf"^{re.escape(name)}(?:{{[^}}]*{re.escape(labels)}[^}}]*}})? ([0-9.e+]+)$"
+    pattern = rf"^{re.escape(name)}(?:{{[^}}]*{re.escape(labels)}[^}}]*}})? ([0-9.e+-]+)$"
     return sum(float(v) for v in re.findall(pattern, metrics_text, re.M))

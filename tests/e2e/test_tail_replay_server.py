@@ -76,6 +76,11 @@ def _details(result) -> dict:
     return result["meta_info"]["cached_tokens_details"]["tail_replay"]
 
 
+def _plan_details(result) -> dict:
+    """The plan's part of the summary (without the state bound)."""
+    return {k: v for k, v in _details(result).items() if not k.startswith("state_bound")}
+
+
 def _warm_then_ask(server, document, question, overrides=None, **kwargs):
     """Send the document with another suffix, then the real question. The warm-up stores no
     states (with 64-token chunked prefill it would leave exact checkpoints every 64 tokens,
@@ -91,8 +96,9 @@ def test_shared_prefix_with_a_different_suffix_is_reused(servers, arch):
     result = _warm_then_ask(servers[arch], document, random_prompt(SUFFIX, seed=2))
     window = max(1, -(-L // 16))
     assert result["meta_info"]["cached_tokens"] >= L - window
-    assert _details(result) == {"kind": "approximate", "matched_tokens": L,
-                                "reused_tokens": L - window, "replayed_tokens": window}
+    assert _plan_details(result) == {"kind": "approximate", "matched_tokens": L,
+                                     "reused_tokens": L - window, "replayed_tokens": window}
+    assert 0 < _details(result)["state_bound"] <= 1
 
 
 def test_paged_tree_replays_from_a_page_boundary(servers, hf_qwen):
@@ -100,8 +106,8 @@ def test_paged_tree_replays_from_a_page_boundary(servers, hf_qwen):
     document = random_prompt(L, seed=50)
     result = _warm_then_ask(server, document, random_prompt(SUFFIX, seed=51))
     start = (L - L // 16) // PAGE * PAGE            # W = 20, cut to whole pages
-    assert _details(result) == {"kind": "approximate", "matched_tokens": L,
-                                "reused_tokens": start, "replayed_tokens": L - start}
+    assert _plan_details(result) == {"kind": "approximate", "matched_tokens": L,
+                                     "reused_tokens": start, "replayed_tokens": L - start}
     question = random_prompt(SUFFIX, seed=52)
     exact = ask(server, document + question, OVERRIDES["wL"])
     assert _details(exact)["kind"] == "exact_replay"
@@ -112,6 +118,7 @@ def test_full_window_equals_full_prefill(servers, hf_qwen):
     document, question = random_prompt(L, seed=3), random_prompt(SUFFIX, seed=4)
     result = _warm_then_ask(servers["qwen3-next"], document, question, OVERRIDES["wL"])
     assert _details(result)["kind"] == "exact_replay" and _details(result)["matched_tokens"] == L
+    assert "state_bound" not in _details(result)   # the state is exact: no bound to report
     assert_matches_reference(result, greedy_reference(hf_qwen, document + question, 6))
 
 
@@ -150,8 +157,8 @@ def test_recompute_mode_is_a_zero_state_replay_in_every_chunk_and_decode(servers
     overrides = {"kv_mode": "recompute", "keep_checkpoints": False,
                  "min_replay_tokens": window, "max_replay_tokens": window}
     result = _warm_then_ask(server, document, question, overrides, new_tokens=8)
-    assert _details(result) == {"kind": "approximate", "matched_tokens": L,
-                                "reused_tokens": L - window, "replayed_tokens": window}
+    assert _plan_details(result) == {"kind": "approximate", "matched_tokens": L,
+                                     "reused_tokens": L - window, "replayed_tokens": window}
     assert_matches_reference(result, zero_state_reference(hf_qwen, document + question, L - window, 8))
     prompts = [document + random_prompt(SUFFIX, seed=62 + i) for i in range(4)]
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
@@ -159,6 +166,99 @@ def test_recompute_mode_is_a_zero_state_replay_in_every_chunk_and_decode(servers
     assert {_details(r)["kind"] for r in results} == {"approximate"}
     requests.get(f"{server.url}/health_generate", timeout=60).raise_for_status()
     assert not re.search(r"leak|Traceback", server.log_text(), re.I)
+
+
+#: the bound tests' window: the tail [240, 320) spans two 64-token prefill chunks ([240, 304), [304, 360))
+BOUND_WINDOW = 80
+BOUND_OVERRIDES = {"kv_mode": "recompute", "keep_checkpoints": False,
+                   "min_replay_tokens": BOUND_WINDOW, "max_replay_tokens": BOUND_WINDOW}
+LINEAR_MIXERS = ("Qwen3NextGatedDeltaNet", "NemotronHMamba2Mixer")
+
+
+def _mixers(model) -> dict[int, torch.nn.Module]:
+    """transformers' linear mixers by layer index (SGLang's layer id)."""
+    return {int(name.split(".")[2]): mod for name, mod in model.named_modules()
+            if type(mod).__name__ in LINEAR_MIXERS}
+
+
+def _log_decay(mixer, x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, hidden] (the mixer's input) -> per-token log-decay [tokens, heads], from the
+    mixer's own weights as transformers computes its gates (GDN: g; Mamba-2: A x dt)."""
+    if hasattr(mixer, "in_proj_ba"):
+        *_, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(x[None]), mixer.in_proj_ba(x[None]))
+        g = -mixer.A_log.float().exp() * torch.nn.functional.softplus(a.float() + mixer.dt_bias)
+        return g.reshape(x.shape[0], -1)
+    dt = mixer.in_proj(x).split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], -1)[-1]
+    step = torch.nn.functional.softplus(dt.float() + mixer.dt_bias).clamp(*mixer.time_step_limit)
+    return -mixer.A_log.float().exp() * step
+
+
+@torch.no_grad()
+def _replay_states(model, ids: list[int], start: int, end: int, keep: int | None = None):
+    """transformers, as kv_mode "recompute" replays: ids[:start] as a full prefill, then every
+    linear layer's conv and recurrent state zeroed (layer `keep`'s recurrent state kept: the same
+    layer inputs from the exact state at `start`), then ids[start:end]. Returns (recurrent state
+    per linear layer at `start`, at `end`, each linear mixer's input rows of ids[start:end])."""
+    mixers, inputs = _mixers(model), {}
+
+    def capture(layer, module, args, kwargs):
+        inputs[layer] = kwargs.get("hidden_states", args[0] if args else None)[0].clone()
+
+    cache = model(torch.tensor([ids[:start]]), use_cache=True).past_key_values
+    at_start = {i: cache.layers[i].recurrent_states[0].clone() for i in mixers}
+    for i in mixers:
+        cache.layers[i].conv_states[0].zero_()
+        if i != keep:
+            cache.layers[i].recurrent_states[0].zero_()
+    hooks = [mixer.register_forward_pre_hook(lambda m, a, k, i=i: capture(i, m, a, k), with_kwargs=True)
+             for i, mixer in mixers.items()]
+    try:
+        model(torch.tensor([ids[start:end]]), past_key_values=cache, use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return at_start, {i: cache.layers[i].recurrent_states[0].clone() for i in mixers}, inputs
+
+
+def _heads(state: torch.Tensor) -> torch.Tensor:
+    """[1, heads, a, b] -> per-head Frobenius norm [heads]."""
+    return state[0].flatten(1).norm(dim=1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3-next", "nemotron-h"])
+def test_reported_state_bound_is_the_replayed_tails_gate_decay(servers, tiny_model_factory, arch):
+    """meta_info's state bound is exp(sum of the log-decay over the replayed tail) per layer (max
+    over heads) and overall, as transformers computes the gates of the same replay from the model's
+    weights (GDN: g; Mamba-2: A x dt), summed over the two prefill chunks the tail spans; and, per
+    linear layer and head, the state error of dropping S(L - W) under the replay's inputs is within
+    it: ||S(L) - S_replayed(L)|| <= bound x ||S(L - W)|| (for Mamba-2 an equality)."""
+    document, question = random_prompt(L, seed=70), random_prompt(SUFFIX, seed=71)
+    start = L - BOUND_WINDOW
+    result = _warm_then_ask(servers[arch], document, question, BOUND_OVERRIDES, new_tokens=1)
+    details = _details(result)
+    assert _plan_details(result) == {"kind": "approximate", "matched_tokens": L,
+                                     "reused_tokens": start, "replayed_tokens": BOUND_WINDOW}
+
+    model = load_reference_model(tiny_model_factory(arch))
+    mixers = _mixers(model)
+    at_start, replayed, inputs = _replay_states(model, document + question, start, L)
+    with torch.no_grad():
+        per_head = {i: _log_decay(mixer, inputs[i]).sum(0).double().exp() for i, mixer in mixers.items()}
+    expected = [per_head[i].max().item() for i in sorted(mixers)]
+    print(arch, "state bound per layer:", details["state_bound_per_layer"], "offline:", expected)
+    torch.testing.assert_close(torch.tensor(details["state_bound_per_layer"], dtype=torch.float64),
+                               torch.tensor(expected, dtype=torch.float64), rtol=1e-3, atol=0)
+    assert details["state_bound"] == max(details["state_bound_per_layer"])
+    assert 1e-3 < details["state_bound"] < 1   # a window where the bound is neither 0 nor trivial
+
+    for i, bound in zip(sorted(mixers), details["state_bound_per_layer"]):
+        _, from_exact, _ = _replay_states(model, document + question, start, L, keep=i)
+        error, dropped = _heads(from_exact[i] - replayed[i]), _heads(at_start[i])
+        noise = 1e-5 * _heads(replayed[i]).max()
+        assert (error <= bound * dropped * (1 + 1e-4) + noise).all(), (i, error, bound * dropped)
+        assert (error <= per_head[i] * dropped * (1 + 1e-3) + noise).all(), (i, error, per_head[i] * dropped)
+        if arch == "nemotron-h":   # Mamba-2: the error is exactly the factor times the dropped state
+            torch.testing.assert_close(error.double(), per_head[i] * dropped.double(), rtol=1e-3, atol=noise.item())
 
 
 def test_a_checkpoint_within_the_window_is_used_exactly(servers, hf_qwen):
@@ -184,6 +284,22 @@ def test_metrics_count_matched_and_replayed_tokens(servers):
     approx = 'kind="approximate"'
     assert metric_total(after, "sglang_ext:tail_replay_hits_total", approx) > metric_total(
         before, "sglang_ext:tail_replay_hits_total", approx)
+
+
+def test_state_bound_histogram_counts_each_approximate_hit_once(servers):
+    server = servers["qwen3-next"]
+    name = "sglang_ext:tail_replay_state_bound"
+    before = requests.get(f"{server.url}/metrics", timeout=30).text
+    result = _warm_then_ask(server, random_prompt(L, seed=72), random_prompt(SUFFIX, seed=73), OVERRIDES["w4"])
+    exact = ask(server, random_prompt(L, seed=72) + random_prompt(SUFFIX, seed=74), OVERRIDES["wL"])
+    after = requests.get(f"{server.url}/metrics", timeout=30).text
+    bound = _details(result)["state_bound"]
+    assert _details(exact)["kind"] == "exact_replay"      # not observed: no bound
+    assert metric_total(after, f"{name}_count") - metric_total(before, f"{name}_count") == 1
+    assert metric_total(after, f"{name}_sum") - metric_total(before, f"{name}_sum") == pytest.approx(bound, rel=1e-6)
+    upper = min(le for le in (1e-9, 1e-6, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0) if le >= bound)
+    assert metric_total(after, f"{name}_bucket", f'le="{upper}"') - \
+        metric_total(before, f"{name}_bucket", f'le="{upper}"') == 1
 
 
 def test_without_checkpoints_a_continuation_is_replayed(servers):

@@ -1,0 +1,146 @@
+"""The replayed state's error bound of one request, from the gates of its own replayed tail (pure).
+
+An approximate hit replays the tail [L - W, L) from a zero state instead of the exact state
+S(L - W). The recurrences are affine in the state, so per linear layer and head
+||S(L) - S_replayed(L)|| <= exp(sum over the tail of the per-token log-decay) x ||S(L - W)||
+(`hybrid_kernels.replay_bound` derives it):
+
+- GDN: log-decay g_t = -exp(A_log) softplus(a_t + dt_bias) (SGLang's `fused_gdn_gating`);
+- Mamba-2: log-decay A dt_t, dt_t = softplus(dt_raw_t + dt_bias) clamped to dt_limit (an equality).
+
+During the replay the forward sees each linear layer's gate inputs for the packed extend batch
+(`patches/tail_replay_gdn_bound.py`, `patches/tail_replay_mamba2_bound.py`). `BoundSegments` says
+which rows of that batch belong to which request's replayed tail; per layer, one gather and one
+segment sum add the rows' log-decay into each request's `TailDecay` (no host sync). A tail split over
+prefill chunks is summed over the chunks. At the output, `summarize` turns the sums into the factor
+(one host sync per request).
+
+No SGLang import; torch is imported only where tensors are computed on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class TailDecay:
+    """Per linear layer (SGLang layer id): the summed log-decay [heads] (fp32) of the request's
+    replayed tail seen so far, and how many tail tokens the sum covers. Mutated only by `add`."""
+
+    sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+
+    def add(self, layer: int, log_decay_sum: torch.Tensor, tokens: int) -> None:
+        if layer in self.sums:
+            self.sums[layer] = self.sums[layer] + log_decay_sum
+            self.tokens[layer] += tokens
+        else:
+            self.sums[layer] = log_decay_sum
+            self.tokens[layer] = tokens
+
+
+@dataclass(frozen=True)
+class StateBound:
+    """The factor per request: `state_bound` = max over linear layers and heads of
+    exp(sum of the tail's log-decay); `per_layer` = the max over heads of each linear layer, in
+    layer order. Relative to the dropped state: ||S(L) - S_replayed(L)|| <= factor x ||S(L - W)||."""
+
+    state_bound: float
+    per_layer: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class BoundSegments:
+    """The rows of one packed extend batch inside approximate replayed tails.
+
+    rows [n] (long): row indices in the batch; segment [n] (long): which entry of `decays` each row
+    adds to; counts: rows per entry; end: one past the largest row (a gate tensor with fewer rows
+    is not this batch's, and is not accumulated)."""
+
+    rows: torch.Tensor
+    segment: torch.Tensor
+    decays: tuple[TailDecay, ...]
+    counts: tuple[int, ...]
+    end: int
+
+    def accumulate(self, layer: int, log_decay_rows: torch.Tensor) -> None:
+        """log_decay_rows [n, heads]: the log-decay of `rows` (in that order) at `layer`; adds each
+        request's sum into its TailDecay (one segment sum, on the tensor's device)."""
+        import torch
+
+        values = log_decay_rows.float()
+        sums = torch.zeros(len(self.decays), values.shape[-1], dtype=torch.float32, device=values.device)
+        sums.index_add_(0, self.segment.to(values.device), values)
+        for i, (decay, count) in enumerate(zip(self.decays, self.counts)):
+            decay.add(layer, sums[i], count)
+
+
+def bound_segments(tails: Sequence[tuple[TailDecay, int, int] | None], prefix_lens: Sequence[int],
+                   extend_lens: Sequence[int]) -> BoundSegments | None:
+    """The batch's replayed-tail rows. tails[i]: (the request's TailDecay, first and one-past-last
+    position of its replayed tail), or None (no approximate replay); prefix_lens / extend_lens: the
+    requests' extend segments in batch order. None when no row of the batch is in a tail."""
+    import torch
+
+    rows, segment, decays, counts, offset = [], [], [], [], 0
+    for tail, prefix, extend in zip(tails, prefix_lens, extend_lens):
+        if tail is not None:
+            decay, start, end = tail
+            lo, hi = max(prefix, start), min(prefix + extend, end)
+            if hi > lo:
+                rows.append(torch.arange(offset + lo - prefix, offset + hi - prefix))
+                segment.append(torch.full((hi - lo,), len(decays), dtype=torch.long))
+                decays.append(decay)
+                counts.append(hi - lo)
+        offset += extend
+    if not rows:
+        return None
+    all_rows = torch.cat(rows)
+    return BoundSegments(all_rows, torch.cat(segment), tuple(decays), tuple(counts), int(all_rows[-1]) + 1)
+
+
+def gdn_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """a [n, heads] (the GDN gate input) -> g [n, heads] fp32 = -exp(A_log) softplus(a + dt_bias),
+    as SGLang's `fused_gdn_gating` (softplus threshold 20)."""
+    import torch.nn.functional as F
+
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+
+
+def mamba2_log_decay(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor | None = None,
+                     dt_softplus: bool = False,
+                     dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """dt [n, heads] (as the SSD scan receives it), A [heads] (negative) -> A dt_t [n, heads] fp32,
+    dt_t discretized as the scan does (bias, softplus, clamp to dt_limit)."""
+    import torch.nn.functional as F
+
+    step = dt.float()
+    if dt_bias is not None:
+        step = step + dt_bias.float()
+    if dt_softplus:
+        step = F.softplus(step)
+    lo, hi = dt_limit
+    if lo > 0.0 or hi != float("inf"):
+        step = step.clamp(min=lo, max=hi)
+    return A.float() * step
+
+
+def summarize(decay: TailDecay, replayed_tokens: int) -> StateBound | None:
+    """The request's factor, or None where the forward did not see every replayed token at every
+    linear layer it saw (a tail that ran inside a CUDA graph, or a layer kind without a hook).
+    A zero window (nothing replayed) drops the whole state: factor 1."""
+    import torch
+
+    if replayed_tokens == 0:
+        return StateBound(1.0, ())
+    if not decay.sums or any(n != replayed_tokens for n in decay.tokens.values()):
+        return None
+    layers = sorted(decay.sums)
+    per_layer = torch.stack([decay.sums[layer].max() for layer in layers]).double().exp().tolist()
+    return StateBound(max(per_layer), tuple(per_layer))
