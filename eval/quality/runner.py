@@ -30,10 +30,12 @@ class ReuseCheckFailed(RuntimeError):
 
 
 def reuse_of(meta: dict) -> dict:
-    """Tokens reused / replayed / matched for one response, from its meta_info."""
+    """Tokens reused / replayed / matched for one response, and the state bound its replay reports
+    (approximate hits; else None), from its meta_info."""
     details = (meta.get("cached_tokens_details") or {}).get(META_KEY) or {}
     return {"cached_tokens": int(meta.get("cached_tokens", 0)), "hit_kind": details.get("kind"),
-            "matched_tokens": details.get("matched_tokens"), "replayed_tokens": details.get("replayed_tokens", 0)}
+            "matched_tokens": details.get("matched_tokens"), "replayed_tokens": details.get("replayed_tokens", 0),
+            "state_bound": details.get("state_bound")}
 
 
 def output_tokens(meta: dict) -> dict:
