@@ -6,7 +6,8 @@ is loaded on first use of the names that need it).
 
 Modules: `config` (every user-facing knob, the server's config read once), `planner` (pure: how a
 hit of L tokens is reused), `request` (the typed per-request record on SGLang's `Req`), `startup`
-(config against server flags), `metrics` (Prometheus counters, meta_info summary), `cache` (the
+(config against server flags), `metrics` (Prometheus counters, meta_info summary), `state_bound`
+(pure: each approximate replay's error bound from its tail's gates), `cache` (the
 SGLang adapter: `--radix-cache-backend tail_replay`), `own_tail` (kv_mode "recompute").
 
 A request's route (SGLang 0.5.23), seam by seam:
@@ -29,10 +30,14 @@ A request's route (SGLang 0.5.23), seam by seam:
    (`record_first_forward`), and the tail's rows in the packed batch with their tree slots are
    registered for the batch; `patches/tail_replay_attention.py` (`RadixAttention`) substitutes
    the cached K/V into those rows, and `patches/tail_replay_prefill_graph.py` sends such batches
-   around a "full" prefill CUDA graph.
+   around a "full" prefill CUDA graph. The rows of approximate replays' tails are registered too:
+   `patches/tail_replay_gdn_bound.py` (`RadixLinearAttention.forward`) and
+   `patches/tail_replay_mamba2_bound.py` (the Mamba-2 mixer's SSD scan call) add each request's
+   per-layer tail log-decay into its record (`state_bound`, record `tail_decay`).
 4. output / metrics. `patches/tail_replay_meta.py` (`get_cached_tokens_details`) puts
-   `plan_summary(plan)` into `meta_info.cached_tokens_details.tail_replay`; `/metrics` serves the
-   counters of step 3.
+   `replay_summary(record)` (the plan; for approximate hits the state bound, which also goes into
+   its histogram once) into `meta_info.cached_tokens_details.tail_replay`; `/metrics` serves the
+   counters of step 3 and the histogram.
 5. cache. `TailReplayMambaComponent.prepare_for_caching_req` / `cleanup_after_caching_req` keep
    states of approximate replays (and all states with `keep_checkpoints: false`) out of the tree
    (record `state_withheld`); with `kv_mode` "recompute" `own_tail` keeps the request's

@@ -88,7 +88,11 @@ def bound_segments(tails: Sequence[tuple[TailDecay, int, int] | None], prefix_le
     requests' extend segments in batch order. None when no row of the batch is in a tail."""
     import torch
 
-    rows, segment, decays, counts, offset = [], [], [], [], 0
+    rows: list[torch.Tensor] = []
+    segment: list[torch.Tensor] = []
+    decays: list[TailDecay] = []
+    counts: list[int] = []
+    offset = 0
     for tail, prefix, extend in zip(tails, prefix_lens, extend_lens):
         if tail is not None:
             decay, start, end = tail

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hybrid_kernels.replay_bound import gdn_replay_bound, mamba2_replay_bound
 
+from hybrid_kernels.replay_bound import gdn_replay_bound, mamba2_replay_bound
 from sglang_ext.tail_replay import (
     DEFAULTS,
     HitKind,
