@@ -109,7 +109,7 @@ def _batch_keys(forward_batch: Any) -> list:
 
 
 def _remember(keys: list, rows: torch.Tensor | None, slots: torch.Tensor | None, kv_pool: Any,
-              segments: BoundSegments | None) -> None:
+              segments: BoundSegments | None = None) -> None:
     for key in keys:
         _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool, segments)
     while len(_TAIL_BY_BATCH) > 2 * _MAX_BATCHES_IN_FLIGHT:
