@@ -11,7 +11,7 @@ separator) or whose text holds the server's separator (`--linearkv-config` `sepa
    the others without), so a chunk has the same ids wherever it appears; the separators are
    dropped; the request continues as `input_ids` with the chunk spans in `custom_params.linearkv`;
 2. the spans are validated (HTTP 400 naming `custom_params.linearkv...` on a bad one);
-3. every chunk is registered: a prefill-only request (`max_new_tokens: 0`) of its ids in the
+3. every chunk is registered (for `compose`, P too: its state at offset 0 is its exact state): a prefill-only request (`max_new_tokens: 0`) of its ids in the
    model's chunk namespace (`extra_key`), all at once (the scheduler batches them). A chunk already
    cached costs a one-token prefill (see sglang_ext/linearkv/sglang_cache.py).
 """
@@ -88,10 +88,17 @@ def _prompt_ids(manager: Any, obj: Any) -> list[int]:
     return list(obj.input_ids)
 
 
+def _can_compose(manager: Any) -> bool:
+    from sglang_ext.linearkv import composes
+
+    hf = getattr(getattr(manager, "model_config", None), "hf_config", None)
+    return composes(getattr(hf, "layer_types", None), getattr(hf, "model_type", None))
+
+
 def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
     """Rewrite obj (separator mode), validate its chunks; return the chunks' token ids to register
     ([] for a request without chunks). ValueError naming the field on bad input."""
-    from sglang_ext.linearkv import plan_chunks, request_field
+    from sglang_ext.linearkv import COMPOSING_RULES, plan_chunks, request_field
 
     config, _ = server
     if not _is_single(obj):
@@ -117,7 +124,7 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
     if value is None:
         return []
     ids = _prompt_ids(manager, obj)
-    plan = plan_chunks(value, len(ids), config)
+    plan = plan_chunks(value, len(ids), config, can_compose=_can_compose(manager))
     params = dict(obj.sampling_params or {})
     custom = dict(params.get("custom_params") or {})
     custom["linearkv"] = {k: v for k, v in value.items() if k != "separator"}
@@ -125,7 +132,10 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
         custom.pop("linearkv")
     params["custom_params"] = custom
     obj.sampling_params = params
-    return [] if plan is None else [ids[s:e] for s, e in plan.chunks]
+    if plan is None:
+        return []
+    composed_prefix = [ids[:plan.prefix_end]] if plan.state in COMPOSING_RULES and plan.prefix_end else []
+    return composed_prefix + [ids[s:e] for s, e in plan.chunks]
 
 
 async def _register(manager: Any, original: Callable, chunks: list[list[int]], namespace: str) -> None:

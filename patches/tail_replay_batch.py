@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from sglang_ext.linearkv import capture_of
 from sglang_ext.tail_replay import BoundSegments, HitKind, bound_segments, record_first_forward, record_of
 
 #: (rows, slots, kv pool) of a batch's replayed tails
@@ -63,13 +64,14 @@ def _tail_rows_and_slots(reqs: Sequence[Any], prefix_lens: Sequence[int], extend
 
 def _bound_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens: Sequence[int]
                     ) -> BoundSegments | None:
-    """Rows of the packed extend batch inside approximate replays' tails, per request."""
+    """Rows of the packed extend batch inside approximate replays' tails, per request, and of
+    LinearKV chunk registrations whose log-decay gives the chunk's transition (`capture_of`)."""
     tails = []
     for req in reqs:
         record = record_of(req)
         plan = None if record is None else record.plan
         approximate = record is not None and plan is not None and plan.kind is HitKind.APPROXIMATE
-        tails.append((record.tail_decay, plan.replay_start, plan.matched_tokens) if approximate else None)
+        tails.append((record.tail_decay, plan.replay_start, plan.matched_tokens) if approximate else capture_of(req))
     return bound_segments(tails, prefix_lens, extend_lens)
 
 

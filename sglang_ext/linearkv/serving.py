@@ -31,8 +31,11 @@ from typing import Any
 BACKEND_NAME = "linearkv"
 #: key of the per-request summary in `meta_info["cached_tokens_details"]` and in custom_params
 META_KEY = "linearkv"
-#: state rules served by the server (the reference path also has `compose` and packed variants)
-SERVED_STATE_RULES = ("predecessor", "zero")
+#: state rules served by the server (the reference path also has packed variants); `compose` (exact
+#: composition of the chunks' end states through their transitions) on Mamba-2 models only
+SERVED_STATE_RULES = ("predecessor", "zero", "compose")
+#: state rules that need each chunk's transition (a per-head scalar decay on Mamba-2)
+COMPOSING_RULES = ("compose",)
 #: selectors served by the server (the reference path also has `epic-k` and `cacheblend-r`)
 SERVED_SELECTORS = ("none",)
 #: radix-tree namespace (`extra_key`) of registered chunks, per model
@@ -51,7 +54,9 @@ class LinearKVConfig:
     """`--linearkv-config` JSON.
 
     selector: which chunk tokens are recomputed in context ("none": only the question).
-    state: the linear layers' seed for the question ("predecessor" | "zero").
+    state: the linear layers' seed for the question ("predecessor" | "zero" | "compose"; compose:
+        Mamba-2 models only, the exact composition of the chunks' zero-start end states through
+        their decays exp(A sum dt), captured at registration, from P's state taken as zero).
     min_chunk_tokens: a declared chunk shorter than this is joined to the span after it (a chunk
         costs one cached state; tiny ones are not worth it).
     separator: server-wide separator string for text prompts (None: only per request).
@@ -101,7 +106,7 @@ def _check_selector(value: Any, where: str, error: type[ValueError]) -> None:
 def _check_state(value: Any, where: str, error: type[ValueError]) -> None:
     if value not in SERVED_STATE_RULES:
         raise error(f"{where}: {value!r} is not served; choose from {list(SERVED_STATE_RULES)} "
-                    "(compose runs on the reference path)")
+                    "(packed rules run on the reference path)")
 
 
 def check_server_flags(server_args: Any) -> None:
@@ -163,17 +168,40 @@ def request_field(custom_params: Any) -> Mapping[str, Any] | None:
     return value
 
 
+#: attribute on a chunk registration's Req: (accumulator, 0, n), the rows whose Mamba-2 log-decay
+#: the gate hooks sum (`patches/tail_replay_batch.py`), giving the chunk's transition for `compose`
+_CAPTURE_ATTR = "_linearkv_capture"
+
+
+def capture_of(req: Any) -> tuple[Any, int, int] | None:
+    """(log-decay accumulator, first, one-past-last position) of a chunk registration whose gates
+    are summed during its prefill, or None."""
+    return getattr(req, _CAPTURE_ATTR, None)
+
+
+def composes(layer_types: Sequence[str] | None, model_type: str | None) -> bool:
+    """Whether a model's linear layers are all Mamba-2 (their chunk transitions are scalar decays),
+    from its HF config: GDN models (Qwen3-Next, Qwen3.5) mark layers "linear_attention"."""
+    kinds = set(layer_types or ())
+    return "linear_attention" not in kinds and not str(model_type or "").startswith(("qwen3_next", "qwen3_5"))
+
+
 def is_registration(custom_params: Any) -> bool:
     field_ = request_field(custom_params) if isinstance(custom_params, Mapping) else None
     return bool(field_ and field_.get("register") is True)
 
 
-def plan_chunks(value: Mapping[str, Any], n_tokens: int, config: LinearKVConfig) -> ChunkPlan | None:
+def plan_chunks(value: Mapping[str, Any], n_tokens: int, config: LinearKVConfig,
+                can_compose: bool = True) -> ChunkPlan | None:
     """The chunk plan of a request with `custom_params.linearkv = value` and `n_tokens` prompt
     tokens; None when, after joining chunks shorter than `min_chunk_tokens`, none is left.
-    ValueError naming the field on a malformed value."""
+    `can_compose`: whether the model's linear layers can compose (Mamba-2). ValueError naming the
+    field on a malformed value."""
     state = value.get("state", config.state)
     _check_state(state, "custom_params.linearkv.state", ValueError)
+    if state in COMPOSING_RULES and not can_compose:
+        raise ValueError(f"custom_params.linearkv.state {state!r} is served for Mamba-2 models only "
+                         "(a GDN chunk's transition is a matrix per head; use predecessor or zero)")
     spans = _spans(value.get("chunks"), n_tokens)
     joined = join_short(spans, config.min_chunk_tokens)
     return ChunkPlan(tuple(joined), state) if joined else None

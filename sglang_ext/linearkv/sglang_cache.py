@@ -26,6 +26,7 @@ A request's way through it (seams in `patches/linearkv_request.py` and this clas
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,17 +35,20 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
-from sglang_ext.linearkv.ops import rerotate_keys
+from sglang_ext.linearkv.ops import compose, rerotate_keys
 from sglang_ext.linearkv.serving import (
+    _CAPTURE_ATTR,
     BACKEND_NAME,
+    COMPOSING_RULES,
     LinearKVConfig,
     LinearKVRequest,
+    capture_of,
     check_server_flags,
     is_registration,
     plan_chunks,
     request_field,
 )
-from sglang_ext.tail_replay import TailReplayMambaComponent, TailReplayRadixCache, record_of
+from sglang_ext.tail_replay import TailDecay, TailReplayMambaComponent, TailReplayRadixCache, record_of
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchResult
@@ -53,6 +57,8 @@ __all__ = ["BACKEND_NAME", "LinearKVRadixCache", "linearkv_cache_factory", "line
 
 #: attribute on SGLang's Req holding its LinearKVRequest
 _RECORD_ATTR = "_linearkv_record"
+#: chunk transitions kept (by content); beyond this many the least recently stored go
+MAX_TRANSITIONS = 65536
 
 
 def linearkv_record(req: Any) -> LinearKVRequest | None:
@@ -108,6 +114,15 @@ def attention_layers(model: Any) -> list[tuple[int, Any]]:
     return sorted(out.items())
 
 
+def only_mamba2(model: Any) -> bool:
+    """Whether every linear layer of an SGLang model is a Mamba-2 mixer (none is GDN)."""
+    from sglang.srt.layers.attention.mamba.mamba import MambaMixer2
+    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+
+    mods = list(model.modules())
+    return any(isinstance(m, MambaMixer2) for m in mods) and not any(isinstance(m, RadixLinearAttention) for m in mods)
+
+
 def check_rotary(layers: list[tuple[int, Any]]) -> None:
     """Only plain RoPE (any rotary_dim, NeoX or GPT-J pairing) and NoPE can be re-rotated exactly."""
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
@@ -129,6 +144,8 @@ class LinearKVMambaComponent(TailReplayMambaComponent):
         if record is None:
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
         if record.register and not record.register_hit:
+            if is_finished:
+                self.cache.keep_transition(req)
             return MambaComponent.prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished)
         if not (record.register_hit or record.assembled):   # a fallback: Tail-Replay's rules
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
@@ -174,6 +191,31 @@ class LinearKVRadixCache(TailReplayRadixCache):
     linearkv_config: LinearKVConfig = LinearKVConfig()
     chunk_namespace: str = ""
     relocator: KeyRelocator | None = None
+    #: whether the model's linear layers are all Mamba-2 (chunk transitions are per-head decays)
+    can_compose: bool = False
+    #: chunk token ids -> {Mamba-2 layer id: decay [heads] fp32}, set by `keep_transition`
+    transitions: OrderedDict | None = None
+
+    # ---- chunk transitions (compose) -----------------------------------------------------------
+    def keep_transition(self, req: Any) -> None:
+        """At a registration's end: its summed log-decay per Mamba-2 layer -> the chunk's decays,
+        kept when every layer saw every token (else the chunk cannot be composed)."""
+        capture = capture_of(req)
+        if capture is None:
+            return
+        decay, start, end = capture
+        setattr(req, _CAPTURE_ATTR, None)
+        if not decay.sums or any(n != end - start for n in decay.tokens.values()):
+            return
+        self.transitions[tuple(req.origin_input_ids)] = {layer: s.exp() for layer, s in decay.sums.items()}
+        self.transitions.move_to_end(tuple(req.origin_input_ids))
+        while len(self.transitions) > MAX_TRANSITIONS:
+            self.transitions.popitem(last=False)
+
+    def _transitions_of(self, req: Any, chunks: Any) -> list[dict] | None:
+        ids = req.origin_input_ids
+        out = [self.transitions.get(tuple(ids[s:e])) for s, e in chunks]
+        return None if any(t is None for t in out) else out
 
     # ---- match -------------------------------------------------------------------------------
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
@@ -199,10 +241,13 @@ class LinearKVRadixCache(TailReplayRadixCache):
         found = self._find_chunk(key.token_ids, 0, n, need_state=True)
         result = self.tree_core.match_prefix(MatchPrefixParams(key=key))
         self._apply_cache_actions(result.cache_actions)
-        if found is not None and result.device_prefix_len >= n - 1:
+        if found is not None and result.device_prefix_len >= n - 1 and (
+                not self.can_compose or tuple(key.token_ids) in self.transitions):
             record.register_hit = True
             result = result._replace(device_prefix_len=n - 1)
         else:
+            if self.can_compose:
+                setattr(params.req, _CAPTURE_ATTR, (TailDecay(), 0, n))
             root = self.root_node_handle(key.extra_key)
             result = result._replace(device_prefix_len=0, last_device_node=root, last_host_node=root,
                                      best_match_node=root)
@@ -223,16 +268,29 @@ class LinearKVRadixCache(TailReplayRadixCache):
             return None
         return node
 
-    def _chunk_nodes(self, req: Any, record: LinearKVRequest) -> list[Any] | None:
+    def _chunk_nodes(self, req: Any, record: LinearKVRequest) -> tuple[list[Any], list[Any]] | None:
+        """(the chunks' namespace nodes, the nodes whose states seed the question), or None when
+        one is missing. `compose` folds P's state too: P is registered as a chunk at offset 0
+        (its exact state) by the request seam."""
         ids = req.origin_input_ids
+        plan = record.plan
+        composing = plan.state in COMPOSING_RULES
+        state_spans = ([(0, plan.prefix_end)] if plan.prefix_end else []) + list(plan.chunks)
+        if composing and self._transitions_of(req, state_spans) is None:
+            return None
         nodes = []
-        for i, (start, end) in enumerate(record.plan.chunks):
-            last = i == len(record.plan.chunks) - 1
-            node = self._find_chunk(ids, start, end, need_state=last and record.plan.state == "predecessor")
+        for i, (start, end) in enumerate(plan.chunks):
+            last = i == len(plan.chunks) - 1
+            node = self._find_chunk(ids, start, end, need_state=composing or (last and plan.state == "predecessor"))
             if node is None:
                 return None
             nodes.append(node)
-        return nodes
+        if not composing:
+            return nodes, nodes[-1:] if plan.state == "predecessor" else []
+        if not plan.prefix_end:
+            return nodes, nodes
+        prefix = self._find_chunk(ids, 0, plan.prefix_end, need_state=True)
+        return None if prefix is None else (nodes, [prefix, *nodes])
 
     def _prefix_node(self, req: Any, record: LinearKVRequest) -> Any:
         """The tree node ending the exact prefix P = [0, c_1) in full (its KV is all the
@@ -248,8 +306,8 @@ class LinearKVRadixCache(TailReplayRadixCache):
         plan = record.plan
         record.tree_prefix_len = result.device_prefix_len
         prefix_node = self._prefix_node(req, record)
-        nodes = None if prefix_node is None else self._chunk_nodes(req, record)
-        if nodes is None:
+        found = None if prefix_node is None else self._chunk_nodes(req, record)
+        if found is None:
             record.chunks_missed = len(plan.chunks)
             return result
         record.chunks_hit = len(plan.chunks)
@@ -275,11 +333,13 @@ class LinearKVRadixCache(TailReplayRadixCache):
         chunk's, whose state the deferred copy-on-write reads, until the request is released)."""
         plan = record.plan
         prefix_node = self._prefix_node(req, record)
-        nodes = None if prefix_node is None else self._chunk_nodes(req, record)
-        if nodes is None:
+        found = None if prefix_node is None else self._chunk_nodes(req, record)
+        if found is None:
             record.chunks_hit, record.chunks_missed = 0, len(plan.chunks)
             return 0
-        locks = [self.lock(node) for node in [prefix_node, *nodes]]
+        nodes, state_nodes = found
+        extra = [node for node in state_nodes if node not in nodes]   # P's chunk node (compose)
+        locks = [self.lock(node) for node in [prefix_node, *nodes, *extra]]
         try:
             p0 = record.tree_prefix_len
             total = plan.question_start - p0
@@ -291,9 +351,9 @@ class LinearKVRadixCache(TailReplayRadixCache):
             for node, (start, end) in zip(nodes, plan.chunks):
                 src = self.tree_core.collect_full_device_indices(node, self.root_node_handle(self.chunk_namespace))
                 self.relocator.copy(src[:end - start], slots[start - p0:end - p0], delta=start)
-            self._seed_state(req, record, nodes[-1])
+            self._seed_state(req, record, state_nodes)
         finally:
-            keep = locks.pop() if record.state_source == "predecessor" else None
+            keep = locks.pop(len(nodes)) if record.state_source == "predecessor" else None
             for lock in locks:
                 self.unlock(lock)
         req._linearkv_chunk_lock = keep
@@ -321,7 +381,8 @@ class LinearKVRadixCache(TailReplayRadixCache):
         path = self.tree_core.collect_full_device_indices(prefix_node, self.root_node_handle(req.extra_key))
         self.relocator.copy(path[start:start + len(dst)], dst, delta=0)
 
-    def _seed_state(self, req: Any, record: LinearKVRequest, last_node: Any) -> None:
+    def _seed_state(self, req: Any, record: LinearKVRequest, nodes: list[Any]) -> None:
+        """Seed the question's state from `nodes` (predecessor: [last chunk]; compose: [P?, chunks...])."""
         kv = req.kv
         if not kv.holds_mamba:
             slot = self.req_to_token_pool.mamba_allocator.alloc(1)
@@ -331,13 +392,35 @@ class LinearKVRadixCache(TailReplayRadixCache):
             assert slot is not None, "linearkv: no free state slot for an admitted request"
             kv.mamba_pool_idx = slot[0]
         if record.plan.state == "predecessor":
-            kv.mamba_cow_src_index = self.tree_core.get_component_device_value(last_node, ComponentType.MAMBA)
+            kv.mamba_cow_src_index = self.tree_core.get_component_device_value(nodes[-1], ComponentType.MAMBA)
             kv.mamba_needs_clear = False
             record.state_source = "predecessor"
+        elif record.plan.state == "compose":
+            self._compose_into(kv.mamba_pool_idx, req, record, nodes)
+            kv.mamba_cow_src_index = None
+            kv.mamba_needs_clear = False
+            record.state_source = "compose"
         else:
             kv.mamba_cow_src_index = None
             kv.mamba_needs_clear = True
             record.state_source = "zero"
+
+    def _compose_into(self, dst: Any, req: Any, record: LinearKVRequest, nodes: list[Any]) -> None:
+        """Write into state slot `dst`: per Mamba-2 layer the chunks' end states folded through their
+        decays (h <- a_j h + s_j from zero, fp32), and the last chunk's conv window."""
+        pool = self.req_to_token_pool.mamba_pool
+        cache = pool.mamba_cache
+        slots = [self.tree_core.get_component_device_value(n, ComponentType.MAMBA) for n in nodes]
+        src = torch.cat([torch.as_tensor(s).reshape(-1) for s in slots]).to(torch.int64)
+        dst = torch.as_tensor(dst).reshape(-1).to(torch.int64)
+        plan = record.plan
+        decays = self._transitions_of(req, ([(0, plan.prefix_end)] if plan.prefix_end else []) + list(plan.chunks))
+        for index, layer_id in enumerate(pool.mamba_layer_ids):
+            states = cache.temporal[index].index_select(0, src)
+            steps = [d[layer_id] for d in decays]
+            cache.temporal[index, dst] = compose("mamba2", list(states), steps).to(cache.temporal.dtype)[None]
+        for conv in cache.conv:
+            conv[:, dst] = conv[:, src[-1:]]
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
         record = linearkv_record(req)
@@ -403,14 +486,19 @@ def linearkv_cache_factory(ctx: Any) -> Any:
     model = ctx.tp_worker.model_runner.model
     layers = attention_layers(model)
     check_rotary(layers)
+    can_compose = only_mamba2(model)
+    if config.state in COMPOSING_RULES and not can_compose:
+        raise ValueError(f"--linearkv-config key 'state': {config.state!r} is served for Mamba-2 models only "
+                         "(this model has GDN layers, whose chunk transition is a matrix per head)")
     ctx.params.component_registry_override = {
         **(ctx.params.component_registry_override or {}),
         ComponentType.MAMBA: LinearKVMambaComponent,
     }
     cache_class = type("LinearKVRadixCache", (LinearKVRadixCache,), {
         "tail_replay_config": tail_config, "linearkv_config": config,
-        "chunk_namespace": chunk_namespace(ctx.server_args)})
+        "chunk_namespace": chunk_namespace(ctx.server_args), "can_compose": can_compose})
     cache = create_unified_radix_cache(ctx, cache_class=cache_class)
+    cache.transitions = OrderedDict()
     cache.relocator = KeyRelocator(cache.token_to_kv_pool_allocator.get_kvcache(), layers)
     return cache
 

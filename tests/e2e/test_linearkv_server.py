@@ -123,13 +123,13 @@ def reference_models(served):
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("state", ["predecessor", "zero"])
+@pytest.mark.parametrize(("arch", "state"), [(arch, state) for arch in ARCHS for state in ("predecessor", "zero")]
+                         + [("nemotron-h", "compose")])
 def test_reordered_chunks_after_a_cached_prefix_match_the_reference_path(served, reference_models, arch, state):
     procs, _ = served
     server = procs[arch]
     model, layout = reference_models[arch]
-    seed = 10 if state == "predecessor" else 20
+    seed = {"predecessor": 10, "zero": 20, "compose": 40}[state]
     prefix = _ids(24, seed)
     chunks = [_ids(CHUNK, seed + 1), _ids(CHUNK - 5, seed + 2), _ids(CHUNK + 11, seed + 3)]
     question = _ids(12, seed + 4)
@@ -141,7 +141,7 @@ def test_reordered_chunks_after_a_cached_prefix_match_the_reference_path(served,
     assert details["reused_tokens"] == sum(map(len, chunks)) and details["state_source"] == state
     assert details["recomputed_tokens"] == len(question)
 
-    entries = [R.register(model, layout, c, transitions=False) for c in order]
+    entries = [R.register(model, layout, c, transitions=state == "compose") for c in order]
     ref = R.assemble(model, layout, entries, question, parse_selector("none"), state, prefix_ids=prefix)
     n = len(prefix) + sum(map(len, chunks)) + len(question)
     ref_ids, ref_lp = R.greedy(model, ref.cache, ref.logits[-1], n, NEW)
@@ -195,9 +195,10 @@ BAD_FIELDS = [
     ({"chunks": [[5, 3]]}, "custom_params.linearkv.chunks[0]"),
     ({"chunks": [[0, 60]]}, "custom_params.linearkv.chunks"),
     ({"chunks": "0-10"}, "custom_params.linearkv.chunks"),
-    ({"chunks": [[0, 10]], "state": "compose"}, "custom_params.linearkv.state"),
+    ({"chunks": [[0, 10]], "state": "packed-last"}, "custom_params.linearkv.state"),
     ({"chunk": [[0, 10]]}, "custom_params.linearkv"),
     ({"register": True}, "custom_params.linearkv.register"),
+    ({"chunks": [[0, 10]], "state": "compose"}, "served for Mamba-2 models only"),
     ([1, 2], "custom_params.linearkv"),
 ]
 
