@@ -485,7 +485,8 @@ def _fitted(cfg: TrainConfig, run_dir: Path, minutes: float, device: str) -> Tra
     fit_file = run_dir / "fit.json"
     if fit_file.exists():
         return replace(cfg, tokens=json.loads(fit_file.read_text())["tokens"])
-    tokens, seconds_per_token = fit_tokens(cfg, minutes, device)
+    curriculum = ((1.0, cfg.lengths, cfg.recall_weight),) if cfg.lengths else CURRICULUM
+    tokens, seconds_per_token = fit_tokens(cfg, minutes, device, curriculum=curriculum)
     run_dir.mkdir(parents=True, exist_ok=True)
     fit_file.write_text(json.dumps({"minutes": minutes, "device": device, "tokens": tokens,
                                     "seconds_per_token": seconds_per_token}, indent=2))

@@ -130,3 +130,26 @@ def test_bad_mix_flags_are_refused_by_name(tmp_path, capsys, flags, named):
         main(["--arch", "mamba2", "--run-dir", str(tmp_path / "r"), *flags])
     assert named in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_fit_minutes_times_the_lengths_stage(tmp_path):
+    import json
+
+    from eval.training.train import _fitted
+
+    cfg = TrainConfig(arch="mamba2", tokens_per_step=256, lengths=(64, 128))
+    fitted = _fitted(cfg, tmp_path, 1.0, "cpu")
+    timed = json.loads((tmp_path / "fit.json").read_text())["seconds_per_token"]
+    assert list(timed) == ["0.00-1.00:128"] and fitted.tokens == int(60 / timed["0.00-1.00:128"])
+
+
+def test_the_card_describes_a_continued_run_and_only_then():
+    from eval.training.card import continued_text
+
+    cfg = TrainConfig(arch="mamba2", text_fraction=0.25, lengths=(1024, 2048), init_from="trained_models/m").as_json()
+    summary = {"arch": "mamba2", "steps": 15, "tokens_seen": 59210, "finished": True, "train_seconds": 121.0,
+               "train_config": cfg, "device": "cpu"}
+    assert continued_text("m", summary) == ""
+    text = continued_text("m", {**summary, "base": {"steps": 3616}})
+    assert "--init-from trained_models/m" in text and "--text-fraction 0.25" in text and "--lengths 1024,2048" in text
+    assert "59,210 of a 2,000,000-token schedule (finished)" in text
