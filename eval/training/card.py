@@ -107,8 +107,40 @@ def hardware_text(summary: dict) -> str:
     return f"bf16 autocast with fp32 weights and optimizer on one {device}"
 
 
+def continued_command(name: str, summary: dict) -> str:
+    """The command of a continued (language-modelling mix) run, from its training_summary.json."""
+    cfg = summary["train_config"]
+    lengths = f" --lengths {','.join(map(str, cfg['lengths']))}" if cfg.get("lengths") else ""
+    return (f"python -m eval.training.train --arch {summary['arch']} --run-dir runs/lm-{cfg['arch']} "
+            f"--init-from trained_models/{name} --export runs/lm-{cfg['arch']}/model --text-fraction {cfg['text_fraction']:g}"
+            f"{lengths} --tokens-per-step {cfg['tokens_per_step']} --tokens {cfg['tokens']} --lr {cfg['lr']:g} "
+            f"--warmup-steps {cfg['warmup_steps']} --lm-loss-weight {cfg['lm_loss_weight']:g} "
+            f"--answer-loss-weight {cfg['answer_loss_weight']:g} --threads 1 --export-unfinished")
+
+
+def continued_text(name: str, summary: dict) -> str:
+    """The card section of a continued run (empty for a model trained in one run)."""
+    if "base" not in summary:
+        return ""
+    cfg = summary["train_config"]
+    status = "finished" if summary.get("finished", True) else "stopped by the time cap before the schedule ended"
+    return f"""
+## Continued training with a language-modelling mix
+After the run above, training continued from that model ({hardware_text(summary)}):
+`{continued_command(name, summary)}`. Each row of a batch was, with probability {cfg['text_fraction']:g}, a
+window of natural training text (`eval/training/text.py`: the training splits of the essays / SQuAD /
+HotpotQA, minus any paragraph that also occurs in the held-out split) instead of a RULER-style
+sample; lengths {', '.join(map(str, cfg['lengths'] or ()))}; loss = {cfg['lm_loss_weight']:g} x next-token loss on
+all tokens + {cfg['answer_loss_weight']:g} x next-token loss on answer tokens. Steps: {summary['steps']}; tokens seen:
+{summary['tokens_seen']:,} of a {cfg['tokens']:,}-token schedule ({status});
+{summary['train_seconds'] / 60:.1f} min of step time. The loss curve shows both runs (tokens counted on).
+"""
+
+
 def card_text(name: str, summary: dict, scores: dict, decay: dict, size_mb: float, params: int,
               longest: int) -> str:
+    continued = continued_text(name, summary)
+    summary = summary.get("base", summary)
     cfg = summary["train_config"]
     hours = summary["train_seconds"] / 3600
     curriculum = "; ".join(f"up to {int(end * 100)}% of the steps: lengths {', '.join(map(str, ls))}, dense-recall weight {w:g}"
@@ -146,7 +178,7 @@ plus next-token loss on the answer tokens.
 Steps: {summary['steps']}; tokens seen: {summary['tokens_seen']:,} of a {cfg['tokens']:,}-token schedule
 ({'finished' if summary.get('finished', True) else 'stopped early by the time cap (`--max-minutes`, `--export-unfinished`); the schedule was not completed'});
 training time: {hours * 60:.1f} min of step time (sum over resumed runs).
-
+{continued}
 ![loss](loss_curve.png)
 
 ## RULER-style accuracy (%, greedy, through the patched SGLang server, full prefill, no cache reuse)
@@ -171,7 +203,7 @@ def write_card(folder: Path) -> Path:
     loss_plot(rows, folder / "loss_curve.png")
     size_mb = (folder / "model.safetensors").stat().st_size / 1e6
     params = parameter_count(folder / "model.safetensors")
-    longest = max(r["seq_len"] for r in rows)
+    longest = max(r["seq_len"] for r in rows)  # over the base and any continued run
     text = card_text(folder.name, summary, _read(folder, "ruler_scores.json"), _read(folder, "decay.json"), size_mb,
                      params, longest)
     notes = folder / NOTES_FILE
