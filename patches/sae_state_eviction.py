@@ -3,7 +3,9 @@
 Target (SGLang 0.5.23): `srt/mem_cache/unified_cache/components/mamba.py: MambaComponent.
 _evict_device_start / _evict_device_next_node / _evict_device_end`, the walk that frees state
 slots least recently used first, and Tail-Replay's `TailReplayMambaComponent._next_state_victim`
-(its state-only walk's choice of the next state). Under SAE the walk's start orders every
+(its state-only walk's choice of the next state). Under SAE with the config's `state_order`
+`"sae"` (the default under Tail-Replay; on the default backend the default is `"lru"`, which
+keeps SGLang's walk, see `serving.DEFAULT_STATE_ORDER`) the walk's start orders every
 unlocked device state by the rule beside the policy (`ServerSAE.state_order`: the state whose
 node SAE values least goes first; ties and nodes SAE does not know least recently used first),
 and each step takes the next state of that order that is still held and unlocked. What a step
@@ -33,9 +35,10 @@ def _wrap_start(original):
         core = self.tree_core
         if core.enable_session_radix_cache or core.enable_hicache:
             return
-        from sglang_ext.eviction.sglang_adapter import state_eviction_order, strategy_of
+        from sglang_ext.eviction.sglang_adapter import orders_states, state_eviction_order
+        from sglang_ext.tail_replay import TailReplayMambaComponent
 
-        if strategy_of(core) is not None:
+        if orders_states(core, "tail_replay" if isinstance(self, TailReplayMambaComponent) else "default"):
             self.__dict__[_ORDER] = deque(state_eviction_order(core, core.lru_lists[self.component_type]))
 
     return _evict_device_start

@@ -198,18 +198,33 @@ def _split_reasoning(ids, start, end, kind, think) -> list[TypedSpan]:
 
 # ----- server config ------------------------------------------------------------------
 _SAE_KEYS = {f.name for f in fields(SAEConfig)}
-SERVER_KEYS = ("block_tokens", "clock")
+SERVER_KEYS = ("block_tokens", "clock", "state_order")
+#: ``state_order``: who orders the recurrent-state checkpoints a state-eviction walk frees
+STATE_ORDERS = ("sae", "lru")
+#: the ``state_order`` each backend gets when the config does not set it, from the live
+#: kv-cache-tester replay (docs/saecache.md, "Live"): on the default backend a freed state takes
+#: its whole leaf, and SAE's order cost reuse there; under Tail-Replay the state alone goes
+DEFAULT_STATE_ORDER = {"default": "lru", "tail_replay": "sae"}
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """``--radix-eviction-policy-config`` of ``sae``: SAEConfig keys plus ``block_tokens``
     (tokens per SAE block: the unit of sizes and of the residence time) and ``clock``
-    (``"wall"``: seconds; ``"requests"``: one tick per request, deterministic)."""
+    (``"wall"``: seconds; ``"requests"``: one tick per request, deterministic) and
+    ``state_order`` (``"sae"``: SAE's rule orders the recurrent-state checkpoints a walk frees,
+    ``ServerSAE.state_order``; ``"lru"``: SGLang's least-recently-used walk; ``None``, the
+    default: per backend, ``DEFAULT_STATE_ORDER``)."""
 
     sae: SAEConfig = SAEConfig()
     block_tokens: int = 16
     clock: str = "wall"
+    state_order: str | None = None
+
+    def state_order_for(self, backend: str) -> str:
+        """``"sae"`` or ``"lru"``: the state order on ``backend`` (``"default"`` or
+        ``"tail_replay"``)."""
+        return self.state_order or DEFAULT_STATE_ORDER[backend]
 
 
 def parse_server_config(raw: Mapping | None) -> ServerConfig:
@@ -225,6 +240,10 @@ def parse_server_config(raw: Mapping | None) -> ServerConfig:
     clock = raw.pop("clock", "wall")
     if clock not in ("wall", "requests"):
         raise SAEConfigError(f"--radix-eviction-policy-config key 'clock' must be 'wall' or 'requests', got {clock!r}")
+    state_order = raw.pop("state_order", None)
+    if state_order is not None and state_order not in STATE_ORDERS:
+        raise SAEConfigError(f"--radix-eviction-policy-config key 'state_order' must be one of "
+                             f"{list(STATE_ORDERS)} (or absent: per backend), got {state_order!r}")
     for f in fields(SAEConfig):
         if f.name in raw:
             value, default = raw[f.name], f.default
@@ -238,7 +257,7 @@ def parse_server_config(raw: Mapping | None) -> ServerConfig:
         sae = SAEConfig(**raw)
     except SAEConfigError as exc:
         raise SAEConfigError(f"--radix-eviction-policy-config: {exc}") from None
-    return ServerConfig(sae=sae, block_tokens=block, clock=clock)
+    return ServerConfig(sae=sae, block_tokens=block, clock=clock, state_order=state_order)
 
 
 # ----- the event adapter --------------------------------------------------------------
@@ -475,7 +494,7 @@ class ServerSAE:
         return out
 
 
-__all__ = ["ATTENTION_TOKENS", "FIELD_PREFIX", "OUTPUT_TYPE", "PathNode", "RequestFieldError",
-           "ROLE_TYPES", "SAERequest", "SESSION_FIELD", "ServeStats", "ServerConfig", "ServerSAE",
+__all__ = ["ATTENTION_TOKENS", "DEFAULT_STATE_ORDER", "FIELD_PREFIX", "OUTPUT_TYPE", "PathNode", "RequestFieldError",
+           "ROLE_TYPES", "SAERequest", "SESSION_FIELD", "STATE_ORDERS", "ServeStats", "ServerConfig", "ServerSAE",
            "TOKEN_TYPES", "TYPES_FIELD", "TYPE_ALIASES", "TypedSpan", "chat_spans", "content_keys",
            "parse_request", "parse_server_config", "spans_to_field"]

@@ -5,12 +5,13 @@ SGLang tree nodes into ``serving.PathNode``. The seams that call it are
 (the Python tree core), ``sae_cache_events.py`` (match / insert), ``sae_full_eviction.py``
 (the full-KV eviction walk), ``sae_request.py`` and ``sae_chat.py`` (request fields).
 
-SAE orders the full-KV leaves (``victim()``) and, through the rule beside it
-(``ServerSAE.state_order``: lowest keep value of the node's entry first), the recurrent-state
-checkpoints (``state_eviction_order``, called from ``patches/sae_state_eviction.py`` in both
-backends; under ``tail_replay`` the state alone goes, on the default backend a state on a
-leaf takes the leaf, which SAE then sees as an external eviction, queue ``state``):
-docs/saecache.md.
+SAE orders the full-KV leaves (``victim()``) and, where the config's ``state_order`` is
+``"sae"`` (the default under ``tail_replay``; ``"lru"``, SGLang's walk, is the default on the
+default backend), through the rule beside it (``ServerSAE.state_order``: lowest keep value of
+the node's entry first), the recurrent-state checkpoints (``state_eviction_order``, called from
+``patches/sae_state_eviction.py`` in both backends; under ``tail_replay`` the state alone goes,
+on the default backend a state on a leaf takes the leaf, which SAE then sees as an external
+eviction, queue ``state``): docs/saecache.md.
 """
 
 from __future__ import annotations
@@ -127,6 +128,14 @@ def _on_request_path(server: ServerSAE, tree_core, req, last_node, token_ids, hi
     leaves = tree_core.evictable_device_leaves
     for node in path:
         server.set_evictable(node.id, node in leaves)
+
+
+def orders_states(tree_core, backend: str) -> bool:
+    """Whether SAE orders the recurrent-state checkpoints of ``tree_core`` on ``backend``
+    (``"default"`` or ``"tail_replay"``): the policy is SAE's and its config's ``state_order``
+    (or the backend's default, ``serving.DEFAULT_STATE_ORDER``) is ``"sae"``."""
+    strategy = strategy_of(tree_core)
+    return strategy is not None and strategy.server.config.state_order_for(backend) == "sae"
 
 
 def state_eviction_order(tree_core, lru) -> list:

@@ -20,7 +20,8 @@ STATE_SLOTS, GAP, NEW = 4, 5, 4
 
 
 def _args(policy: str) -> list[str]:
-    extra = ["--radix-eviction-policy-config", json.dumps({"clock": "requests"})] if policy == "sae" else []
+    config = {"clock": "requests", "state_order": "sae"}   # the rule is off by default on this backend
+    extra = ["--radix-eviction-policy-config", json.dumps(config)] if policy == "sae" else []
     return ["--dtype", "float32", "--radix-eviction-policy", policy, *extra, "--max-total-tokens", "4000",
             "--max-mamba-cache-size", str(STATE_SLOTS), "--max-running-requests", "1",
             "--chunked-prefill-size", "256"]

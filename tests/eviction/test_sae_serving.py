@@ -54,7 +54,9 @@ def test_malformed_fields_name_the_field(custom, where):
 # ----- config -----------------------------------------------------------------------
 @pytest.mark.parametrize("raw, key", [({"nope": 1}, "'nope'"), ({"cost_power": -1}, "'cost_power'"),
                                       ({"learning": 1}, "'learning'"), ({"block_tokens": 0}, "'block_tokens'"),
-                                      ({"clock": "tsc"}, "'clock'"), ({"prior_reuse_s": "30"}, "'prior_reuse_s'")])
+                                      ({"clock": "tsc"}, "'clock'"), ({"prior_reuse_s": "30"}, "'prior_reuse_s'"),
+                                      ({"state_order": "lfu"}, "'state_order'"),
+                                      ({"state_order": True}, "'state_order'")])
 def test_bad_config_names_the_key(raw, key):
     with pytest.raises(SAEConfigError) as err:
         parse_server_config(raw)
@@ -65,6 +67,15 @@ def test_config_keys_reach_the_policy():
     cfg = parse_server_config({"cost_power": 0, "prior_reuse_s": 5, "block_tokens": 4, "clock": "requests"})
     assert cfg.sae.cost_power == 0 and cfg.sae.prior_reuse_s == 5.0 and cfg.block_tokens == 4
     assert ServerSAE(cfg).policy.config.prior_reuse_s == 5.0
+
+
+def test_state_order_defaults_per_backend_and_the_key_overrides_both():
+    default = parse_server_config({})
+    assert default.state_order is None
+    assert (default.state_order_for("default"), default.state_order_for("tail_replay")) == ("lru", "sae")
+    for value in ("sae", "lru"):
+        cfg = parse_server_config({"state_order": value})
+        assert cfg.state_order_for("default") == cfg.state_order_for("tail_replay") == value
 
 
 # ----- chat spans -------------------------------------------------------------------

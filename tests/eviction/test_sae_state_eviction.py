@@ -2,7 +2,8 @@
 (Full + Mamba components from `sglang.test.kits.unified_radix_cache`), in both backends:
 SGLang's default `MambaComponent` and Tail-Replay's `TailReplayMambaComponent`.
 
-The rule (`ServerSAE.state_order`): states go lowest keep value first (the value SAE gives the
+The rule (`ServerSAE.state_order`, config key `state_order: "sae"`, passed explicitly here except
+where a test checks the per-backend default): states go lowest keep value first (the value SAE gives the
 entry the state sits on), ties and nodes SAE does not know least recently used first; locked
 states never go. The workload: a session whose conversation comes back after several one-off
 requests. LRU frees the session's end state (the oldest); SAE keeps it.
@@ -50,7 +51,8 @@ class Pools:
     """A radix cache on the kit's pools (default backend or Tail-Replay) with ``policy``, and the
     scheduler's steps around it (match, lock, state reclaim, row + KV, release at finish)."""
 
-    def __init__(self, backend: str, policy: str, *, mamba_size: int = 4, kv_size: int = 2048):
+    def __init__(self, backend: str, policy: str, *, mamba_size: int = 4, kv_size: int = 2048,
+                 state_order: str | None = "sae"):
         cfg = CacheConfig(page_size=1, components=(FULL, MAMBA), kv_size=kv_size, mamba_cache_size=mamba_size,
                           max_num_reqs=2, max_context_len=512, num_layers=2, full_attention_layer_ids=(1,),
                           head_num=1, head_dim=8, mamba_intermediate_size=32, mamba_num_heads=2,
@@ -63,7 +65,8 @@ class Pools:
         else:
             self.cache, self.alloc, self.pool = kit.build_fixture(cfg)
         if policy == "sae":   # the request clock: decisions depend only on the request sequence
-            self.cache.tree_core.eviction_strategy = SAEStrategy(clock="requests")
+            config = {"clock": "requests"} if state_order is None else {"clock": "requests", "state_order": state_order}
+            self.cache.tree_core.eviction_strategy = SAEStrategy(**config)
         self.kv_total = self.alloc.available_size()
         self.mamba_total = self.pool.mamba_allocator.available_size()
         self.running: list[Req] = []
@@ -158,6 +161,30 @@ def test_sae_keeps_the_end_state_of_the_session_it_expects_back(backend):
     server = strategy_of(pools.cache.tree_core).server
     assert server.stats.state_orders >= 4
     assert _third_turn(pools) == 80  # resumes exactly on the session's latest checkpoint
+
+
+LRU_DEPTHS = [[60], [30, 60], [30, 60, 80], [30, 31, 60, 80], [31, 32, 60, 80], [31, 32, 33, 80],
+              [31, 32, 33, 34], [32, 33, 34, 35]]
+
+
+@pytest.mark.parametrize("backend, orders", [("default", False), ("tail_replay", True)])
+def test_state_order_default_is_lru_on_the_default_backend_sae_under_tail_replay(backend, orders):
+    """Without ``state_order`` in the config: on the default backend (a freed state takes its
+    leaf) SAE leaves the state walk to SGLang, so the states go exactly as under LRU and the
+    third turn misses; under Tail-Replay SAE's rule orders them (as with ``"sae"``)."""
+    pools = Pools(backend, "sae", state_order=None)
+    seen = _workload(pools)
+    assert (seen != LRU_DEPTHS) is orders
+    server = strategy_of(pools.cache.tree_core).server
+    assert (server.stats.state_orders > 0) is orders
+    assert _third_turn(pools) == (80 if orders else 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explicit_lru_state_order_keeps_sglangs_walk(backend):
+    pools = Pools(backend, "sae", state_order="lru")
+    assert _workload(pools) == LRU_DEPTHS
+    assert strategy_of(pools.cache.tree_core).server.stats.state_orders == 0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
