@@ -16,9 +16,11 @@ from the last passage's cached end state). The separators never reach the model.
 
 The script runs the whole batch of questions twice with `run_batch` (the second time each
 question's passages come re-ranked, in another order) and prints, per program, the answer and
-`meta_info.cached_tokens_details.linearkv` of its `gen` call: the first programs register the
-passages (`chunks_missed`: they are prefilled in full), the later ones hit them (`chunks_hit`,
-`reused_tokens`).
+`meta_info.cached_tokens_details.linearkv` of its `gen` call. A passage is registered by the first
+request that brings it (a prefill of the passage alone, inside that request) and reused by every
+later one; the system prompt P comes from the ordinary radix tree (`run_batch` sends the traced
+common prefix ahead, which puts it there; a request whose P is not cached yet is prefilled in full,
+`chunks_missed`).
 """
 
 from __future__ import annotations
