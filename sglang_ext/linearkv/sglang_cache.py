@@ -229,6 +229,12 @@ class LinearKVRadixCache(TailReplayRadixCache):
             return self._match_registration(params, record)
         if record.plan is None:
             return super()._match_tree(params)
+        if len(params.key) < record.plan.question_start:
+            # the scheduler capped the match below the question (input logprobs asked from a
+            # position inside P or the chunks): those tokens must run in this forward, so the
+            # request is served as a plain prompt and its chunks count as missed
+            record.chunks_missed = len(record.plan.chunks)
+            return super()._match_tree(params)
         capped = MatchPrefixParams(key=params.key[:record.plan.prefix_end], cow_mamba=params.cow_mamba, req=req)
         result = super()._match_tree(capped)
         return self._plan_chunks(req, record, result)

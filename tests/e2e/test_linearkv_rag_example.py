@@ -1,7 +1,9 @@
 """docs/examples/linearkv_rag.py (SGLang frontend language, `run_batch`) against a live linearkv
 server (tiny Qwen3-Next, server-wide separator): later programs are served from the chunk cache,
 the separator mode gives the same answer as the same prompt sent as token ids with chunk spans,
-and /metrics counts the hits the programs' meta_info reports. One server for the module.
+and /metrics counts the hits the programs' meta_info reports; on the same server, a chunk request
+asking for input logprobs from inside its chunks is served as a plain prompt (it crashed the
+scheduler before). One server for the module.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def test_later_programs_hit_every_passage(served, example):
         assert lkv["reused_tokens"] == sum(len(_ids(tokenizer, p, False)) for p in res.passages), lkv
         assert lkv["recomputed_tokens"] == len(_ids(tokenizer, question, False)), lkv
         assert lkv["state_source"] == "predecessor"
-    # round 1's programs declared the same chunks; every one was either hit or registered and missed
+    # every program declared K chunks: each was either served from the cache or missed
     for res in results:
         assert res.linearkv["chunks_hit"] + res.linearkv["chunks_missed"] == K, res.linearkv
 
@@ -85,16 +87,40 @@ def test_separator_mode_equals_token_spans(served, example):
     server, model, results, _ = served
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     res = next(r for r in results if r.round == 1)
+    ids, spans = _spans_request(tokenizer, example, res)
+    out = server.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0,
+                                                          "custom_params": {"linearkv": {"chunks": spans}}})
+    assert out["meta_info"]["cached_tokens_details"]["linearkv"]["chunks_hit"] == K
+    assert out["text"] == res.answer
+
+
+def _spans_request(tokenizer, example, res):
     segments = [_ids(tokenizer, example.SYSTEM, True)] + [_ids(tokenizer, p, False) for p in res.passages] \
         + [_ids(tokenizer, "Question: " + res.question + "\nAnswer:", False)]
     ids, spans, pos = [t for seg in segments for t in seg], [], len(segments[0])
     for seg in segments[1:-1]:
         spans.append([pos, pos + len(seg)])
         pos += len(seg)
-    out = server.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0,
-                                                          "custom_params": {"linearkv": {"chunks": spans}}})
-    assert out["meta_info"]["cached_tokens_details"]["linearkv"]["chunks_hit"] == K
-    assert out["text"] == res.answer
+    return ids, spans
+
+
+def test_input_logprobs_inside_the_chunks_are_a_full_prefill(served, example):
+    """SGLang caps the prefix match at logprob_start_len; chunks behind the cap cannot be reused,
+    so the request runs as a plain prompt: 200, every input logprob, those of a full prefill."""
+    server, model, results, _ = served
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    ids, spans = _spans_request(tokenizer, example, results[-1])
+    sampling = {"max_new_tokens": 2, "temperature": 0}
+    got = server.generate(input_ids=ids, return_logprob=True, logprob_start_len=0,
+                          sampling_params={**sampling, "custom_params": {"linearkv": {"chunks": spans}}})
+    full = server.generate(input_ids=ids, return_logprob=True, logprob_start_len=0, sampling_params=sampling)
+    lkv = got["meta_info"]["cached_tokens_details"]["linearkv"]
+    assert lkv["chunks_hit"] == 0 and lkv["chunks_missed"] == K, lkv
+    lp = [x[0] for x in got["meta_info"]["input_token_logprobs"]]
+    ref = [x[0] for x in full["meta_info"]["input_token_logprobs"]]
+    assert len(lp) == len(ids) and lp[0] is None
+    assert max(abs(a - b) for a, b in zip(lp[1:], ref[1:])) < 1e-4
+    assert got["output_ids"] == full["output_ids"]
 
 
 def test_metrics_count_the_programs_hits(served):
