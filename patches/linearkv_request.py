@@ -11,7 +11,8 @@ separator) or whose text holds the server's separator (`--linearkv-config` `sepa
    the others without), so a chunk has the same ids wherever it appears; the separators are
    dropped; the request continues as `input_ids` with the chunk spans in `custom_params.linearkv`;
 2. the spans are validated (HTTP 400 naming `custom_params.linearkv...` on a bad one);
-3. every chunk is registered (for `compose`, P too: its state at offset 0 is its exact state): a prefill-only request (`max_new_tokens: 0`) of its ids in the
+3. every chunk is registered, and P too (at offset 0 its KV and state are exact: the assembly
+   takes P from there when the radix tree serves none of it, and `compose` folds its state): a prefill-only request (`max_new_tokens: 0`) of its ids in the
    model's chunk namespace (`extra_key`), all at once (the scheduler batches them). A chunk already
    cached costs a one-token prefill (see sglang_ext/linearkv/sglang_cache.py).
 """
@@ -98,7 +99,7 @@ def _can_compose(manager: Any) -> bool:
 def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
     """Rewrite obj (separator mode), validate its chunks; return the chunks' token ids to register
     ([] for a request without chunks). ValueError naming the field on bad input."""
-    from sglang_ext.linearkv import COMPOSING_RULES, plan_chunks, request_field
+    from sglang_ext.linearkv import plan_chunks, request_field
 
     config, _ = server
     if not _is_single(obj):
@@ -134,8 +135,8 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
     obj.sampling_params = params
     if plan is None:
         return []
-    composed_prefix = [ids[:plan.prefix_end]] if plan.state in COMPOSING_RULES and plan.prefix_end else []
-    return composed_prefix + [ids[s:e] for s, e in plan.chunks]
+    prefix = [ids[:plan.prefix_end]] if plan.prefix_end else []
+    return prefix + [ids[s:e] for s, e in plan.chunks]
 
 
 async def _register(manager: Any, original: Callable, chunks: list[list[int]], namespace: str) -> None:

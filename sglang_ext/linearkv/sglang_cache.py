@@ -234,7 +234,9 @@ class LinearKVRadixCache(TailReplayRadixCache):
             # position inside P or the chunks): those tokens must run in this forward, so the
             # request is served as a plain prompt and its chunks count as missed
             record.chunks_missed = len(record.plan.chunks)
-            return super()._match_tree(params)
+            result = super()._match_tree(params)
+            record.recomputed_tokens = len(req.origin_input_ids) - result.device_prefix_len
+            return result
         capped = MatchPrefixParams(key=params.key[:record.plan.prefix_end], cow_mamba=params.cow_mamba, req=req)
         result = super()._match_tree(capped)
         return self._plan_chunks(req, record, result)
@@ -298,15 +300,24 @@ class LinearKVRadixCache(TailReplayRadixCache):
         prefix = self._find_chunk(ids, 0, plan.prefix_end, need_state=True)
         return None if prefix is None else (nodes, [prefix, *nodes])
 
-    def _prefix_node(self, req: Any, record: LinearKVRequest) -> Any:
-        """The tree node ending the exact prefix P = [0, c_1) in full (its KV is all the
-        assembled request needs of P), or None when P is not cached in full."""
-        if record.plan.prefix_end == 0:
-            return self.root_node_handle(req.extra_key)
-        key = RadixKey(req.origin_input_ids[:record.plan.prefix_end], req.extra_key, cache_salt=req.cache_salt)
+    def _prefix_node(self, req: Any, record: LinearKVRequest) -> tuple[Any, Any] | None:
+        """(node, its root) ending the exact prefix P = [0, c_1) in full: in the radix tree, or,
+        when the tree serves none of P (Tail-Replay's plan over P starts at 0), P's own
+        registration in the chunk namespace (at offset 0 it is P's exact KV); None otherwise."""
+        plan = record.plan
+        root = self.root_node_handle(req.extra_key)
+        if plan.prefix_end == 0:
+            return root, root
+        key = RadixKey(req.origin_input_ids[:plan.prefix_end], req.extra_key, cache_salt=req.cache_salt)
         result = self.tree_core.match_prefix(MatchPrefixParams(key=key))
         self._apply_cache_actions(result.cache_actions)
-        return result.last_device_node if result.device_prefix_len == record.plan.prefix_end else None
+        if result.device_prefix_len == plan.prefix_end:
+            return result.last_device_node, root
+        if record.tree_prefix_len == 0:
+            node = self._find_chunk(req.origin_input_ids, 0, plan.prefix_end, need_state=False)
+            if node is not None:
+                return node, self.root_node_handle(self.chunk_namespace)
+        return None
 
     def _plan_chunks(self, req: Any, record: LinearKVRequest, result: MatchResult) -> MatchResult:
         plan = record.plan
@@ -315,6 +326,7 @@ class LinearKVRadixCache(TailReplayRadixCache):
         found = None if prefix_node is None else self._chunk_nodes(req, record)
         if found is None:
             record.chunks_missed = len(plan.chunks)
+            record.recomputed_tokens = len(req.origin_input_ids) - result.device_prefix_len
             return result
         record.chunks_hit = len(plan.chunks)
         return result._replace(host_hit_length=plan.question_start - result.device_prefix_len)
@@ -338,11 +350,12 @@ class LinearKVRadixCache(TailReplayRadixCache):
         reads them, and the source nodes stay locked until the copies are enqueued (the last
         chunk's, whose state the deferred copy-on-write reads, until the request is released)."""
         plan = record.plan
-        prefix_node = self._prefix_node(req, record)
-        found = None if prefix_node is None else self._chunk_nodes(req, record)
+        prefix = self._prefix_node(req, record)
+        found = None if prefix is None else self._chunk_nodes(req, record)
         if found is None:
-            record.chunks_hit, record.chunks_missed = 0, len(plan.chunks)
+            self._declined(req, record)
             return 0
+        prefix_node, prefix_root = prefix
         nodes, state_nodes = found
         extra = [node for node in state_nodes if node not in nodes]   # P's chunk node (compose)
         locks = [self.lock(node) for node in [prefix_node, *nodes, *extra]]
@@ -351,9 +364,9 @@ class LinearKVRadixCache(TailReplayRadixCache):
             total = plan.question_start - p0
             slots = self._alloc(total)
             if slots is None:
-                record.chunks_hit, record.chunks_missed = 0, len(plan.chunks)
+                self._declined(req, record)
                 return 0
-            self._copy_prefix(req, prefix_node, p0, slots[:plan.prefix_end - p0])
+            self._copy_prefix(prefix_node, prefix_root, p0, slots[:plan.prefix_end - p0])
             for node, (start, end) in zip(nodes, plan.chunks):
                 src = self.tree_core.collect_full_device_indices(node, self.root_node_handle(self.chunk_namespace))
                 self.relocator.copy(src[:end - start], slots[start - p0:end - p0], delta=start)
@@ -372,6 +385,11 @@ class LinearKVRadixCache(TailReplayRadixCache):
             tr.plan, tr.kv_slots, tr.own_end = None, None, None
         return total
 
+    def _declined(self, req: Any, record: LinearKVRequest) -> None:
+        """The load is declined: the request runs Tail-Replay's plan over P and prefills the rest."""
+        record.chunks_hit, record.chunks_missed = 0, len(record.plan.chunks)
+        record.recomputed_tokens = len(req.origin_input_ids) - record.tree_prefix_len
+
     def _alloc(self, n: int) -> torch.Tensor | None:
         allocator = self.token_to_kv_pool_allocator
         slots = allocator.alloc(n)
@@ -380,11 +398,11 @@ class LinearKVRadixCache(TailReplayRadixCache):
             slots = allocator.alloc(n)
         return slots
 
-    def _copy_prefix(self, req: Any, prefix_node: Any, start: int, dst: torch.Tensor) -> None:
-        """The tree's exact KV of [start, c_1) (the part of P Tail-Replay would have replayed)."""
+    def _copy_prefix(self, prefix_node: Any, root: Any, start: int, dst: torch.Tensor) -> None:
+        """The exact KV of [start, c_1) (the part of P the tree prefix does not cover)."""
         if len(dst) == 0:
             return
-        path = self.tree_core.collect_full_device_indices(prefix_node, self.root_node_handle(req.extra_key))
+        path = self.tree_core.collect_full_device_indices(prefix_node, root)
         self.relocator.copy(path[start:start + len(dst)], dst, delta=0)
 
     def _seed_state(self, req: Any, record: LinearKVRequest, nodes: list[Any]) -> None:

@@ -116,6 +116,7 @@ def test_input_logprobs_inside_the_chunks_are_a_full_prefill(served, example):
     full = server.generate(input_ids=ids, return_logprob=True, logprob_start_len=0, sampling_params=sampling)
     lkv = got["meta_info"]["cached_tokens_details"]["linearkv"]
     assert lkv["chunks_hit"] == 0 and lkv["chunks_missed"] == K, lkv
+    assert lkv["recomputed_tokens"] == len(ids) and lkv["reused_tokens"] == 0, lkv   # the whole prompt ran
     lp = [x[0] for x in got["meta_info"]["input_token_logprobs"]]
     ref = [x[0] for x in full["meta_info"]["input_token_logprobs"]]
     assert len(lp) == len(ids) and lp[0] is None

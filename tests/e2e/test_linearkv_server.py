@@ -133,8 +133,10 @@ def test_reordered_chunks_after_a_cached_prefix_match_the_reference_path(served,
     prefix = _ids(24, seed)
     chunks = [_ids(CHUNK, seed + 1), _ids(CHUNK - 5, seed + 2), _ids(CHUNK + 11, seed + 3)]
     question = _ids(12, seed + 4)
-    ask(server, prefix, chunks, question, state=state)        # caches P; registers the chunks
     order = [chunks[2], chunks[0], chunks[1]]
+    first = ask(server, prefix, chunks, question, state=state)   # registers P and the chunks
+    # P is in no radix-tree path yet: its own registration at offset 0 serves its exact KV
+    assert _details(first)["chunks_hit"] == 3, _details(first)
     got = ask(server, prefix, order, question, state=state)
     details = _details(got)
     assert details["chunks_hit"] == 3 and details["chunks_missed"] == 0
