@@ -5,9 +5,10 @@ One `--radix-cache-backend linearkv` server (selector none, state `predecessor` 
 K = L / 512 random-token chunks of `--chunk-tokens` and a short question Q (`--question-tokens`).
 Per length, after `/flush_cache`:
 
-- cold: the chunks in one order, declared in `custom_params.linearkv.chunks` (registers them; P is
-  not cached yet, so this request is prefilled in full: `chunks_missed = K`); recorded, not timed
-  against anything; one more request in another order warms the hit path;
+- cold: the chunks in one order, declared in `custom_params.linearkv.chunks`, right after the flush:
+  P and the chunks are registered, then the request is assembled (P's KV from its own registration
+  at offset 0, since no radix-tree path holds it yet); recorded, not timed against anything; one
+  more request in another order warms the hit path;
 - per repetition, interleaved (order alternated between repetitions):
   * linearkv: the same chunks in a fresh order with a fresh Q, declared as chunks; the script
     checks `meta_info.cached_tokens_details.linearkv` says every chunk hit and K x chunk tokens
@@ -149,7 +150,7 @@ def summarize(records: list[dict], lengths: list[int]) -> list[dict]:
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| L | prompt tokens | chunks | full prefill TTFT s | LinearKV TTFT s | ratio | "
              "server CPU s full / LinearKV | CPU ratio | first sight (new chunks: registered, then assembled) s | "
-             "its ratio | cold request (P not cached: registers, then misses) s |",
+             "its ratio | cold request (P and chunks new: registered, then assembled) s |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cold = f"{r['cold_ttft_s']:.2f}" if r["cold_ttft_s"] is not None else "-"
