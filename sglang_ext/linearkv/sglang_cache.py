@@ -3,12 +3,14 @@ position-independent chunks; the pure core is `sglang_ext/linearkv/serving.py`).
 
 A request's way through it (seams in `patches/linearkv_request.py` and this class):
 1. Arrival (tokenizer process): the chunks are found (token spans, or a separator string), and
-   one registration prefill per chunk (`max_new_tokens: 0`, `custom_params.linearkv.register`,
-   `extra_key` = the model's chunk namespace) runs before the request is sent on. A chunk already
+   one registration prefill per chunk and one for P (`max_new_tokens: 0`,
+   `custom_params.linearkv.register`, `extra_key` = the model's chunk namespace) run before the
+   request is sent on. A chunk already
    registered costs a one-token throw-away prefill (`register_hit`); a new one is prefilled on its
    own from a zero state and inserted with its end state (the tree's Mamba component keeps it).
 2. Match (scheduler): the prefix P = [0, c_1) is matched as Tail-Replay matches any prompt (its
-   plan gives the tree prefix p0 <= c_1, and the fallback if the chunks cannot be used). Every chunk
+   plan gives the tree prefix p0 <= c_1, and the fallback if the chunks cannot be used); P's KV
+   comes from the tree path, or from P's registration when the plan uses none of the tree. Every chunk
    is looked up in the namespace; all present (and, for `predecessor`, the last one's end state)
    -> the match reports the tokens [p0, question_start) as a load-back (SGLang's
    `host_hit_length`), so admission budgets their slots like a HiCache load.
