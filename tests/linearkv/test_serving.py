@@ -10,6 +10,7 @@ from sglang_ext.linearkv.serving import (
     LinearKVConfigError,
     LinearKVRequest,
     check_server_flags,
+    composes,
     join_short,
     parse_config,
     plan_chunks,
@@ -28,7 +29,7 @@ def test_config_defaults_and_values():
 
 @pytest.mark.parametrize(("text", "needle"), [
     ('{"selector": "epic-16"}', "key 'selector'"),
-    ('{"state": "compose"}', "key 'state'"),
+    ('{"state": "packed-last"}', "key 'state'"),
     ('{"min_chunk_tokens": 0}', "key 'min_chunk_tokens'"),
     ('{"min_chunk_tokens": true}', "key 'min_chunk_tokens'"),
     ('{"separator": ""}', "key 'separator'"),
@@ -55,11 +56,21 @@ def test_plan_chunks_accepts_contiguous_spans_and_joins_short_ones():
     ({"chunks": [[0, 50]]}, "at least one question token"),
     ({"chunks": [[0, "9"]]}, r"chunks\[0\] must be \[start, end\]"),
     ({"chunks": []}, "non-empty list"),
-    ({"chunks": [[0, 10]], "state": "compose"}, "custom_params.linearkv.state"),
+    ({"chunks": [[0, 10]], "state": "packed-last"}, "custom_params.linearkv.state"),
 ])
 def test_bad_spans_name_the_field(value, needle):
     with pytest.raises(ValueError, match=needle):
         plan_chunks(value, 50, LinearKVConfig(min_chunk_tokens=1))
+
+
+def test_compose_only_where_the_model_composes():
+    config = LinearKVConfig(min_chunk_tokens=1)
+    assert plan_chunks({"chunks": [[0, 10]], "state": "compose"}, 20, config).state == "compose"
+    with pytest.raises(ValueError, match="served for Mamba-2 models only"):
+        plan_chunks({"chunks": [[0, 10]], "state": "compose"}, 20, config, can_compose=False)
+    assert composes(["mamba", "attention"], "nemotron_h")
+    assert not composes(["linear_attention", "full_attention"], "qwen3_next")
+    assert not composes(None, "qwen3_5_text")
 
 
 def test_request_field_checks_shape_and_keys():

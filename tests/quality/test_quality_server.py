@@ -13,7 +13,7 @@ from eval.quality.servers import DEFAULT_LAUNCH_ARGS, server_args
 
 ROW_FIELDS = {"key", "benchmark", "dataset", "sample_id", "length", "group", "config", "budget", "kv_mode",
               "prompt_tokens", "shared_tokens", "cached_tokens", "hit_kind", "matched_tokens", "replayed_tokens", "answers",
-              "prediction", "score", "output_ids", "output_logprobs"}
+              "prediction", "score", "output_ids", "output_logprobs", "state_bound"}
 
 
 #: the fixture model's decay profile (the servers find <model>/decay.json at start-up): the slowest
