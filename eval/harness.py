@@ -20,6 +20,19 @@ from pathlib import Path
 import requests
 
 STARTUP_TIMEOUT_S = 600.0
+#: the line uvicorn logs when the server's port was taken between `free_port()` and its bind (another
+#: server's internal port, started side by side); the harness then relaunches on a fresh port
+PORT_TAKEN = "address already in use"
+PORT_RETRIES = 3
+
+
+class PortTakenError(RuntimeError):
+    """The server could not bind its HTTP port."""
+
+
+def port_taken(log: str) -> bool:
+    """Whether a server log says its HTTP port could not be bound."""
+    return "error while attempting to bind" in log and PORT_TAKEN in log
 
 
 def free_port() -> int:
@@ -55,11 +68,21 @@ class ServerProcess:
         return self
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
-        try:
-            self._wait_healthy(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        """Wait until healthy; a server whose port was taken before it could bind is relaunched on
+        a fresh port (up to PORT_RETRIES times). On any other failure the server is stopped."""
+        for attempt in range(PORT_RETRIES + 1):
+            try:
+                self._wait_healthy(timeout_s)
+                return self
+            except PortTakenError:
+                self.stop()
+                if attempt == PORT_RETRIES:
+                    raise
+                self.port = free_port()
+                self.launch()
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def log_text(self) -> str:
@@ -70,6 +93,8 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with code {self.proc.returncode}; log: {self.log_path}")
+            if port_taken(self.log_text()):
+                raise PortTakenError(f"port {self.port} was taken before the server could bind it; log: {self.log_path}")
             try:
                 if requests.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
                     return
