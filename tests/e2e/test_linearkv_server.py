@@ -19,6 +19,7 @@ import random
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from unittest import mock
 
 import pytest
 import requests
@@ -49,15 +50,8 @@ def served(tiny_model_factory, tmp_path_factory):
         "--chunked-prefill-size", "64", "--max-total-tokens", str(KV_TOKENS),
         "--max-mamba-cache-size", str(STATE_SLOTS), "--mem-fraction-static", "0.5"],
         log_path=logs / f"{arch}.log") for arch in ARCHS}
-    strict = os.environ.get("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE")
-    os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = "1"   # inherited at launch
-    try:
+    with mock.patch.dict(os.environ, {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}):   # inherited at launch
         start_servers(list(procs.values()))
-    finally:
-        if strict is None:
-            os.environ.pop("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE")
-        else:
-            os.environ["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] = strict
     try:
         yield procs, models
     finally:
