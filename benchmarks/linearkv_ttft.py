@@ -1,7 +1,7 @@
 """TTFT through the live server: LinearKV chunk reuse vs full prefill (issue 18).
 
-One `--radix-cache-backend linearkv` server (selector none, state `predecessor` unless
-`--state`); for each prompt length L a prompt is `P | C_1 .. C_K | Q`: a short system prefix P,
+One `--radix-cache-backend linearkv` server (selector none unless `--selector`, e.g. epic-16,
+state `predecessor` unless `--state`); for each prompt length L a prompt is `P | C_1 .. C_K | Q`: a short system prefix P,
 K = L / 512 random-token chunks of `--chunk-tokens` and a short question Q (`--question-tokens`).
 Per length, after `/flush_cache`:
 
@@ -18,7 +18,9 @@ Per length, after `/flush_cache`:
     prefill of the same shape on the same server;
   * first sight: K never-seen chunks after the cached P, declared: the request registers them (one
     batched prefill per chunk from a zero state) and is then assembled from them (checked like
-    linearkv), i.e. what a document costs the first time it is used.
+    linearkv), i.e. what a document costs the first time it is used;
+  * with `--selector epic-<k>` also linearkv_none: a hit like linearkv with selector none per
+    request (no heads recomputed), so EPIC's pre-pass cost is read within the same run.
 
 TTFT is the client's wall time of a `max_new_tokens=1` request (registration of the declared
 chunks, which on a hit costs one one-token prefill per chunk, is inside it); the server
@@ -49,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.ttft_tail_replay import process_tree, sample_load, server_cpu_seconds, server_thread_env  # noqa: E402
 from eval.harness import ServerProcess, servers_running  # noqa: E402
+from sglang_ext.linearkv.serving import parse_config  # noqa: E402
 
 DEFAULT_MODEL = "trained_models/gdn-ruler"
 
@@ -76,10 +79,11 @@ def compose(prefix: list[int], chunks: list[list[int]], order: list[int], questi
     return ids + question, spans
 
 
-def timed_generate(server: ServerProcess, ids: list[int], spans: list[list[int]] | None) -> dict:
+def timed_generate(server: ServerProcess, ids: list[int], spans: list[list[int]] | None,
+                   selector: str | None = None) -> dict:
     sampling: dict = {"max_new_tokens": 1, "temperature": 0}
     if spans is not None:
-        sampling["custom_params"] = {"linearkv": {"chunks": spans}}
+        sampling["custom_params"] = {"linearkv": {"chunks": spans, **({"selector": selector} if selector else {})}}
     cpu0 = server_cpu_seconds(server)
     t0 = time.perf_counter()
     resp = requests.post(f"{server.url}/generate", json={"input_ids": ids, "sampling_params": sampling},
@@ -94,9 +98,10 @@ def timed_generate(server: ServerProcess, ids: list[int], spans: list[list[int]]
             "e2e_latency": meta.get("e2e_latency")}
 
 
-def check_hit(rec: dict, k: int, chunk_tokens: int, question: int) -> list[str]:
-    want = {"chunks_hit": k, "chunks_missed": 0, "reused_tokens": k * chunk_tokens,
-            "recomputed_tokens": question}
+def check_hit(rec: dict, k: int, chunk_tokens: int, question: int, epic_k: int = 0) -> list[str]:
+    heads = k * min(epic_k, chunk_tokens)
+    want = {"chunks_hit": k, "chunks_missed": 0, "reused_tokens": k * chunk_tokens - heads,
+            "recomputed_tokens": question + heads}
     got = {key: (rec.get("linearkv") or {}).get(key) for key in want}
     return [] if got == want else [f"L={rec['L']} rep={rec['rep']}: expected linearkv {want}, got {rec.get('linearkv')}"]
 
@@ -144,6 +149,10 @@ def summarize(records: list[dict], lengths: list[int]) -> list[dict]:
                      "median_ttft_first_sight_s": med["first_sight"],
                      "first_sight_ratio": med["first_sight"] / med["full_prefill"],
                      "cold_ttft_s": next((r["ttft_s"] for r in records if r["L"] == L and r["config"] == "cold"), None)})
+        plain = [r["ttft_s"] for r in records if r["L"] == L and r["config"] == "linearkv_none"]
+        if plain:
+            rows[-1].update(median_ttft_linearkv_none_s=statistics.median(plain),
+                            none_ratio=statistics.median(plain) / med["full_prefill"])
     return rows
 
 
@@ -158,6 +167,10 @@ def markdown_table(rows: list[dict]) -> str:
                      f"{r['median_ttft_linearkv_s']:.3f} | **{r['ttft_ratio']:.2f}x** | "
                      f"{r['median_cpu_full_s']:.2f} / {r['median_cpu_linearkv_s']:.2f} | {r['cpu_ratio']:.2f}x | "
                      f"{r['median_ttft_first_sight_s']:.3f} | {r['first_sight_ratio']:.2f}x | {cold} |")
+    if any("none_ratio" in r for r in rows):
+        lines += ["", "| L | LinearKV with selector none per request (same server) TTFT s | its ratio |", "|---:|---:|---:|"]
+        lines += [f"| {r['L']:,} | {r['median_ttft_linearkv_none_s']:.3f} | {r['none_ratio']:.2f}x |"
+                  for r in rows if "none_ratio" in r]
     return "\n".join(lines)
 
 
@@ -191,7 +204,8 @@ def run(args) -> int:
         raise SystemExit(f"--lengths {bad}: each must be a positive multiple of --chunk-tokens {args.chunk_tokens}")
     model_config = json.loads((Path(args.model) / "config.json").read_text())
     prompts = Prompts(args.seed, int(model_config["vocab_size"]))
-    config = {"selector": "none", "state": args.state, "min_chunk_tokens": 16}
+    config = {"selector": args.selector, "state": args.state, "min_chunk_tokens": 16}
+    k_epic = parse_config(config).k or 0   # EPIC's k (a bad --selector stops here, naming it)
     common = server_args(args.prefix_tokens + max(lengths) + args.question_tokens, config)
     server = ServerProcess(args.model, common, log_path=out / "server.log")
     records: list[dict] = []
@@ -213,7 +227,7 @@ def run(args) -> int:
             chunks = [prompts.tokens(args.chunk_tokens) for _ in range(k)]
 
             def measure(config_name: str, ids: list[int], spans: list[list[int]] | None, rep: int, L=L, k=k) -> dict:
-                rec = timed_generate(server, ids, spans)
+                rec = timed_generate(server, ids, spans, "none" if config_name == "linearkv_none" else None)
                 rec.update(config=config_name, L=L, rep=rep, chunks=k)
                 records.append(rec)
                 print(f"L={L} rep={rep} {config_name}: {rec['ttft_s']:.3f}s cached {rec['cached_tokens']} "
@@ -230,9 +244,14 @@ def run(args) -> int:
                 new_ids, new_spans = compose(system, fresh, list(range(k)), prompts.tokens(args.question_tokens))
                 pair = [("linearkv", hit_ids, hit_spans), ("full_prefill", full_ids, None),
                         ("first_sight", new_ids, new_spans)]
+                if k_epic:   # the same kind of hit without EPIC's heads (selector none per request)
+                    pair.append(("linearkv_none", *compose(system, chunks, prompts.order(k),
+                                                           prompts.tokens(args.question_tokens))))
                 for name, ids, spans in (pair if rep % 2 == 0 else pair[::-1]):
                     rec = measure(name, ids, spans, rep)
                     if name in ("linearkv", "first_sight"):
+                        problems += check_hit(rec, k, args.chunk_tokens, args.question_tokens, k_epic)
+                    elif name == "linearkv_none":
                         problems += check_hit(rec, k, args.chunk_tokens, args.question_tokens)
                     elif rec["cached_tokens"]:
                         problems.append(f"L={L} rep={rep}: full prefill reported {rec['cached_tokens']} cached tokens")
@@ -256,6 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefix-tokens", type=int, default=32, help="the system prefix P")
     ap.add_argument("--question-tokens", type=int, default=32, help="the question Q")
     ap.add_argument("--state", default="predecessor", choices=("predecessor", "zero"))
+    ap.add_argument("--selector", default="none", help="none | epic-<k> (the server's --linearkv-config selector)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--allow-busy", action="store_true", help="measure even if the machine is busy")
     ap.add_argument("--seed", type=int, default=0)

@@ -16,7 +16,8 @@ request through them): `tail_replay_request` (request check on arrival), `tail_r
 forward batch, metrics), `tail_replay_attention` and `tail_replay_prefill_graph` (exact cached K/V
 for the tail), `tail_replay_gdn_bound` and `tail_replay_mamba2_bound` (each approximate replay's
 state bound from its tail's gates), `tail_replay_meta` (the per-request summaries in meta_info,
-Tail-Replay's and LinearKV's), `linearkv_request` (LinearKV: chunks found and registered on arrival).
+Tail-Replay's and LinearKV's), `linearkv_request` (LinearKV: chunks found and registered on arrival), `linearkv_prepass`
+(LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward).
 
 Applying a module twice is a no-op. Spawned SGLang children re-apply from `sglang_ext.env`'s
 `SGLANG_EXT_PATCH_MODE`: under the launcher through `sglang_ext.spawn_main` (imported by every
@@ -53,7 +54,7 @@ CPU_PATCHES: tuple[str, ...] = (
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
                                 "tail_replay_gdn_bound", "tail_replay_mamba2_bound", "tail_replay_meta",
                                 "tail_replay_request", "tail_replay_sizing", "tail_replay_pages",
-                                "request_token_ids", "linearkv_request",
+                                "request_token_ids", "linearkv_request", "linearkv_prepass",
                                 "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat")
 
 _applied: list[str] = []

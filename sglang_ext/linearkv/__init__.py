@@ -18,6 +18,7 @@ from sglang_ext.linearkv.selectors import SELECTOR_KINDS, Selector, parse_select
 from sglang_ext.linearkv.serving import (
     BACKEND_NAME,
     COMPOSING_RULES,
+    DEFAULT_EPIC_K,
     META_KEY,
     ChunkPlan,
     LinearKVConfig,
@@ -26,6 +27,7 @@ from sglang_ext.linearkv.serving import (
     capture_of,
     check_server_flags,
     composes,
+    epic_k,
     namespace,
     plan_chunks,
     request_field,
@@ -41,8 +43,8 @@ _FROM_CACHE = ("LinearKVRadixCache", "linearkv_cache_factory", "linearkv_record"
 
 __all__ = ["STATE_RULES", "get_state_rule", "SELECTOR_KINDS", "Selector", "parse_selector", "ChunkEntry",
            "ChunkReferenceError", "ChunkStore", "LinearLayerState", "chunk_id",
-           "BACKEND_NAME", "COMPOSING_RULES", "META_KEY", "ChunkPlan", "LinearKVConfig", "LinearKVConfigError", "LinearKVRequest",
-           "capture_of", "composes", "check_server_flags", "namespace", "plan_chunks", "spans_of_segments", "split_by_separator",
+           "BACKEND_NAME", "COMPOSING_RULES", "DEFAULT_EPIC_K", "META_KEY", "ChunkPlan", "LinearKVConfig", "LinearKVConfigError", "LinearKVRequest",
+           "capture_of", "composes", "epic_k", "check_server_flags", "namespace", "plan_chunks", "spans_of_segments", "split_by_separator",
            "request_field", "summary", "parse_server_config", *_FROM_CACHE]
 
 

@@ -1,6 +1,7 @@
 """Prometheus counters for LinearKV (served on SGLang's /metrics with --enable-metrics), recorded
-once per request when its row is released, in the scheduler process, on the replica's first rank
-only (the rule `sglang_ext.tail_replay.metrics.is_recording_rank` states)."""
+once per request when its row is released (EPIC's pre-pass: per worker forward), in the scheduler
+process, on the replica's first rank only (the rule `sglang_ext.tail_replay.metrics.is_recording_rank`
+states)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ def _counters() -> dict:
         "recomputed": Counter("sglang_ext:linearkv_recomputed_tokens",
                               "Prompt tokens computed by assembled requests' forwards"),
         "requests": Counter("sglang_ext:linearkv_requests", "Requests with chunks, by state source", ["state_source"]),
+        "prepass_forwards": Counter("sglang_ext:linearkv_prepass_forwards",
+                                    "Extend forwards run by EPIC pre-passes (one per head index and batch)"),
+        "prepass_heads": Counter("sglang_ext:linearkv_prepass_heads",
+                                 "Chunk head spans recomputed in context by EPIC pre-passes"),
     }
 
 
@@ -44,3 +49,12 @@ def record_request(record: LinearKVRequest) -> None:
     counters["reused"].inc(record.reused_tokens)
     counters["recomputed"].inc(record.recomputed_tokens)
     counters["requests"].labels(state_source=record.state_source).inc()
+
+
+def record_prepass(forwards: int, heads: int) -> None:
+    """Count one batch's EPIC pre-pass: its forwards and the head spans they ran."""
+    if not _this_rank_records():
+        return
+    counters = _counters()
+    counters["prepass_forwards"].inc(forwards)
+    counters["prepass_heads"].inc(heads)

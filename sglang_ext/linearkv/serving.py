@@ -7,7 +7,9 @@ from the radix tree with Tail-Replay's exact-KV reuse; each chunk C_j was prefil
 positions 0..n_j-1, from a zero linear state) and registered under the LinearKV namespace of the
 tree; its attention KV is copied into the request and its keys re-rotated to their new offset; the
 linear layers start Q from the state rule's seed (`predecessor`: the last chunk's cached end state
-and conv window, LinearKV's "single cached state"; `zero`); Q is prefilled. Nothing assembled is
+and conv window, LinearKV's "single cached state"; `zero`; `compose`); Q is prefilled. With the
+selector `epic-k` the first k tokens of every chunk (`ChunkPlan.heads`) are recomputed in context
+first, each from the state rule's seed for a span after the chunks before it. Nothing assembled is
 ever inserted into the exact tree.
 
 Request fields (`sampling_params.custom_params.linearkv`):
@@ -16,7 +18,8 @@ Request fields (`sampling_params.custom_params.linearkv`):
 - `{"separator": "<str>"}` (or the server's `separator`): the prompt text is `P sep C_1 sep .. sep Q`;
   the segments are tokenized one by one (so a chunk has the same ids wherever it appears) and the
   separators dropped;
-- optional `"state"`: the request's state rule.
+- optional `"state"`: the request's state rule; optional `"selector"`: the request's selector
+  (`"none"`, `"epic"` with the server's k, or `"epic-<k>"`).
 Internal: `{"register": true}` marks a chunk-registration prefill (sent by the request seam).
 """
 
@@ -36,13 +39,18 @@ META_KEY = "linearkv"
 SERVED_STATE_RULES = ("predecessor", "zero", "compose")
 #: state rules that need each chunk's transition (a per-head scalar decay on Mamba-2)
 COMPOSING_RULES = ("compose",)
-#: selectors served by the server (the reference path also has `epic-k` and `cacheblend-r`)
-SERVED_SELECTORS = ("none",)
+#: selector kinds served by the server: `none` (only the question is computed) and `epic`
+#: (EPIC / LegoLink-k: also the first k tokens of every chunk, in context); the reference path
+#: also has `cacheblend-r`
+SERVED_SELECTORS = ("none", "epic")
+#: EPIC's k when the selector is "epic" and no `k` is given
+DEFAULT_EPIC_K = 16
 #: radix-tree namespace (`extra_key`) of registered chunks, per model
 NAMESPACE_PREFIX = "linearkv-chunk:"
 
-_CONFIG_KEYS = ("selector", "state", "min_chunk_tokens", "separator")
-_REQUEST_KEYS = ("chunks", "separator", "state", "register")
+_CONFIG_KEYS = ("selector", "k", "state", "min_chunk_tokens", "separator")
+_CONFIG_WHERE = "--linearkv-config key '{}'"
+_REQUEST_KEYS = ("chunks", "separator", "state", "selector", "register")
 
 
 class LinearKVConfigError(ValueError):
@@ -53,7 +61,10 @@ class LinearKVConfigError(ValueError):
 class LinearKVConfig:
     """`--linearkv-config` JSON.
 
-    selector: which chunk tokens are recomputed in context ("none": only the question).
+    selector: which chunk tokens are recomputed in context: "none" (only the question), "epic"
+        (EPIC-k: also the first k tokens of every chunk, in context, each chunk's head seeded by the
+        state rule from the chunks before it) or "epic-<k>"; parsed to "none" or "epic-<k>".
+    k: EPIC's k for selector "epic" (default 16), also for requests that ask for "epic".
     state: the linear layers' seed for the question ("predecessor" | "zero" | "compose"; compose:
         Mamba-2 models only, the exact composition of the chunks' zero-start end states through
         their decays exp(A sum dt), captured at registration, from P's state taken as zero).
@@ -63,6 +74,7 @@ class LinearKVConfig:
     """
 
     selector: str = "none"
+    k: int | None = None
     state: str = "predecessor"
     min_chunk_tokens: int = 16
     separator: str | None = None
@@ -79,7 +91,8 @@ def parse_config(text: str | Mapping[str, Any] | None) -> LinearKVConfig:
     if unknown:
         raise LinearKVConfigError(f"--linearkv-config: unknown key {unknown[0]!r}; known keys: {list(_CONFIG_KEYS)}")
     config = LinearKVConfig(**raw)
-    _check_selector(config.selector, "--linearkv-config key 'selector'", LinearKVConfigError)
+    k = epic_k(config.selector, config.k, _CONFIG_WHERE, LinearKVConfigError)
+    config = replace(config, selector=selector_name(k), k=config.k if config.k is not None else (k or None))
     _check_state(config.state, "--linearkv-config key 'state'", LinearKVConfigError)
     n = config.min_chunk_tokens
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -97,10 +110,30 @@ def _load_json(text: str) -> Any:
         raise LinearKVConfigError(f"--linearkv-config is not valid JSON: {exc}") from None
 
 
-def _check_selector(value: Any, where: str, error: type[ValueError]) -> None:
-    if value not in SERVED_SELECTORS:
-        raise error(f"{where}: {value!r} is not served; the server serves {list(SERVED_SELECTORS)} "
-                    "(epic-k and cacheblend-r run on the reference path, sglang_ext.linearkv.reference)")
+def epic_k(selector: Any, k: Any, where: str, error: type[ValueError]) -> int:
+    """EPIC's k of a served selector ("none" -> 0; "epic" -> k, or DEFAULT_EPIC_K; "epic-<k>").
+    `where` names a key when formatted with it ("--linearkv-config key '{}'"); `error` is raised."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise error(f"{where.format('k')} must be an integer >= 0, got {k!r}")
+    if selector == "none":
+        return 0
+    if selector == "epic":
+        return DEFAULT_EPIC_K if k is None else k
+    kind, _, arg = selector.partition("-") if isinstance(selector, str) else ("", "", "")
+    if kind == "epic" and arg.isdigit():
+        if k is not None and k != int(arg):
+            raise error(f"{where.format('k')} = {k} contradicts selector {selector!r}")
+        return int(arg)
+    if kind == "cacheblend":
+        raise error(f"{where.format('selector')}: {selector!r} is not served: CacheBlend picks its tokens by "
+                    "KV deviation at the first attention layer, inside one forward over every chunk token, "
+                    "which SGLang's layer loop does not expose; it runs on the reference path "
+                    "(sglang_ext.linearkv.reference). Served: none, epic, epic-<k>")
+    raise error(f"{where.format('selector')}: {selector!r} is not a selector; served: none, epic, epic-<k>")
+
+
+def selector_name(k: int) -> str:
+    return f"epic-{k}" if k else "none"
 
 
 def _check_state(value: Any, where: str, error: type[ValueError]) -> None:
@@ -123,6 +156,12 @@ def check_server_flags(server_args: Any) -> None:
                          "(extra_buffer keeps states only on its grid, not at a chunk's end)")
     if getattr(server_args, "enable_hierarchical_cache", False):
         raise ValueError("--radix-cache-backend linearkv does not run with --enable-hierarchical-cache")
+    if getattr(server_args, "enable_dp_attention", False):
+        raise ValueError("--radix-cache-backend linearkv does not run with --enable-dp-attention (EPIC's "
+                         "pre-pass forwards run on one rank's requests only)")
+    if getattr(server_args, "enable_watermark", False):
+        raise ValueError("--radix-cache-backend linearkv does not run with --enable-watermark (EPIC's pre-pass "
+                         "forwards carry no sampling state)")
 
 
 def namespace(model_id: str) -> str:
@@ -137,6 +176,8 @@ class ChunkPlan:
 
     chunks: tuple[tuple[int, int], ...]
     state: str
+    #: EPIC's k (0: selector none): the first k tokens of every chunk are recomputed in context
+    k: int = 0
 
     @property
     def prefix_end(self) -> int:
@@ -149,6 +190,19 @@ class ChunkPlan:
     @property
     def chunk_tokens(self) -> int:
         return self.question_start - self.prefix_end
+
+    @property
+    def heads(self) -> tuple[tuple[int, int], ...]:
+        """The recomputed head span of every chunk, [c_j, c_j + min(k, n_j)) (EPIC); () for none."""
+        return tuple((s, min(e, s + self.k)) for s, e in self.chunks) if self.k else ()
+
+    @property
+    def head_tokens(self) -> int:
+        return sum(e - s for s, e in self.heads)
+
+    @property
+    def selector(self) -> str:
+        return selector_name(self.k)
 
 
 def request_field(custom_params: Any) -> Mapping[str, Any] | None:
@@ -202,9 +256,14 @@ def plan_chunks(value: Mapping[str, Any], n_tokens: int, config: LinearKVConfig,
     if state in COMPOSING_RULES and not can_compose:
         raise ValueError(f"custom_params.linearkv.state {state!r} is served for Mamba-2 models only "
                          "(a GDN chunk's transition is a matrix per head; use predecessor or zero)")
+    if "selector" in value:
+        k = epic_k(value["selector"], config.k if value["selector"] == "epic" else None,
+                   "custom_params.linearkv.{}", ValueError)
+    else:
+        k = epic_k(config.selector, None, _CONFIG_WHERE, ValueError)
     spans = _spans(value.get("chunks"), n_tokens)
     joined = join_short(spans, config.min_chunk_tokens)
-    return ChunkPlan(tuple(joined), state) if joined else None
+    return ChunkPlan(tuple(joined), state, k) if joined else None
 
 
 def _spans(raw: Any, n_tokens: int) -> list[tuple[int, int]]:
@@ -291,10 +350,12 @@ class LinearKVRequest:
 def summary(record: LinearKVRequest) -> dict:
     """`meta_info.cached_tokens_details.linearkv` of a request with this record: chunks served
     from the cache or not (a miss: the request was prefilled in full), chunk tokens whose KV was
-    reused, prompt tokens the forward computed past the reused ones, and the question's state."""
+    reused, prompt tokens the forwards computed past the reused ones (EPIC's chunk heads
+    included), the question's state and the selector."""
     return {"chunks_hit": record.chunks_hit, "chunks_missed": record.chunks_missed,
             "reused_tokens": record.reused_tokens, "recomputed_tokens": record.recomputed_tokens,
-            "state_source": record.state_source}
+            "state_source": record.state_source,
+            "selector": record.plan.selector if record.plan is not None else "none"}
 
 
 def with_state(plan: ChunkPlan, state: str) -> ChunkPlan:

@@ -17,10 +17,13 @@ A request's way through it (seams in `patches/linearkv_request.py` and this clas
 3. Admission (`init_load_back`): the chunk nodes are locked, fresh slots allocated, the tree's KV of
    [p0, c_1) copied and each chunk's KV copied with keys re-rotated to its offset (RoPE composes:
    R(c_j) R(p) = R(c_j + p); the model's own rotary dims and base; NoPE attention is a plain copy);
-   the question's linear state is the last chunk's end state (copy-on-write from its node, kept
-   locked until the request is released) or zero. Any chunk gone by now -> the load is declined and
+   the question's linear state is the last chunk's end state (copy-on-write from its node), zero, or
+   (Mamba-2) the chunks' states composed. With selector `epic-k` each chunk's head is left to the
+   worker's pre-pass with its seed (`prepass.py`). Nodes whose states are read later stay locked
+   until the request's first forward has run. Any chunk gone by now -> the load is declined and
    the request runs Tail-Replay's plan over P and prefills the rest.
-4. Forward: only Q (chunked prefill, CUDA graphs and the scheduler are untouched).
+4. Forward: EPIC's heads (pre-pass, one extend forward per chunk index), then Q (chunked prefill,
+   CUDA graphs and the scheduler are untouched).
 5. Caching: an assembled request publishes nothing past c_1 (its chunk KV, question KV and states
    are approximate); SGLang's release frees every slot past the tree-owned prefix.
 """
@@ -37,7 +40,16 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
-from sglang_ext.linearkv.ops import compose, rerotate_keys
+from sglang_ext.linearkv.ops import rerotate_keys
+from sglang_ext.linearkv.prepass import (
+    LOCKS_ATTR,
+    PREPASS_ATTR,
+    READS_DONE_ATTR,
+    PrePass,
+    StateSeed,
+    reads_done,
+    write_seed,
+)
 from sglang_ext.linearkv.serving import (
     _CAPTURE_ATTR,
     BACKEND_NAME,
@@ -278,29 +290,31 @@ class LinearKVRadixCache(TailReplayRadixCache):
             return None
         return node
 
-    def _chunk_nodes(self, req: Any, record: LinearKVRequest) -> tuple[list[Any], list[Any]] | None:
-        """(the chunks' namespace nodes, the nodes whose states seed the question), or None when
-        one is missing. `compose` folds P's state too: P is registered as a chunk at offset 0
-        (its exact state) by the request seam."""
+    def _chunk_nodes(self, req: Any, record: LinearKVRequest) -> tuple[list[Any], Any] | None:
+        """(the chunks' namespace nodes, P's namespace node when a seed reads P's state), or None
+        when one is missing. P is registered as a chunk at offset 0 (its exact KV and state) by the
+        request seam; `compose` folds its state, EPIC's first head starts from it (`predecessor`).
+        A node must hold its end state where a seed reads it: the last chunk's for the question
+        (`predecessor`), every chunk's but the last for EPIC's heads, all of them for `compose`."""
         ids = req.origin_input_ids
         plan = record.plan
         composing = plan.state in COMPOSING_RULES
+        heads_read = bool(plan.heads) and plan.state == "predecessor"
         state_spans = ([(0, plan.prefix_end)] if plan.prefix_end else []) + list(plan.chunks)
         if composing and self._transitions_of(req, state_spans) is None:
             return None
         nodes = []
         for i, (start, end) in enumerate(plan.chunks):
             last = i == len(plan.chunks) - 1
-            node = self._find_chunk(ids, start, end, need_state=composing or (last and plan.state == "predecessor"))
+            need = composing or (plan.state == "predecessor" and (last or heads_read))
+            node = self._find_chunk(ids, start, end, need_state=need)
             if node is None:
                 return None
             nodes.append(node)
-        if not composing:
-            return nodes, nodes[-1:] if plan.state == "predecessor" else []
-        if not plan.prefix_end:
-            return nodes, nodes
+        if not plan.prefix_end or not (composing or heads_read):
+            return nodes, None
         prefix = self._find_chunk(ids, 0, plan.prefix_end, need_state=True)
-        return None if prefix is None else (nodes, [prefix, *nodes])
+        return None if prefix is None else (nodes, prefix)
 
     def _prefix_node(self, req: Any, record: LinearKVRequest) -> tuple[Any, Any] | None:
         """(node, its root) ending the exact prefix P = [0, c_1) in full: in the radix tree, or,
@@ -349,8 +363,9 @@ class LinearKVRadixCache(TailReplayRadixCache):
         """Copy the KV into fresh slots and seed the question's state; the number of tokens placed
         (0: declined). The copies run on the scheduler's stream at admission; SGLang's overlap
         scheduler makes the forward stream wait on that stream before it launches the batch that
-        reads them, and the source nodes stay locked until the copies are enqueued (the last
-        chunk's, whose state the deferred copy-on-write reads, until the request is released)."""
+        reads them, and the source nodes stay locked until the copies are enqueued (those whose
+        states a seed reads later, the deferred copy-on-write's or EPIC's pre-pass's, until the
+        request's first forward has read them: `release_read_locks`)."""
         plan = record.plan
         prefix = self._prefix_node(req, record)
         found = None if prefix is None else self._chunk_nodes(req, record)
@@ -358,9 +373,10 @@ class LinearKVRadixCache(TailReplayRadixCache):
             self._declined(req, record)
             return 0
         prefix_node, prefix_root = prefix
-        nodes, state_nodes = found
-        extra = [node for node in state_nodes if node not in nodes]   # P's chunk node (compose)
-        locks = [self.lock(node) for node in [prefix_node, *nodes, *extra]]
+        nodes, prefix_state = found
+        sources = [prefix_node, *nodes, *([prefix_state] if prefix_state is not None else [])]
+        locks = [self.lock(node) for node in sources]
+        keep: list[int] = []   # indices of the locks held until the first forward has read the states
         try:
             p0 = record.tree_prefix_len
             total = plan.question_start - p0
@@ -372,16 +388,21 @@ class LinearKVRadixCache(TailReplayRadixCache):
             for node, (start, end) in zip(nodes, plan.chunks):
                 src = self.tree_core.collect_full_device_indices(node, self.root_node_handle(self.chunk_namespace))
                 self.relocator.copy(src[:end - start], slots[start - p0:end - p0], delta=start)
-            self._seed_state(req, record, state_nodes)
+            self._seed_state(req, record, nodes, prefix_state)
+            if plan.heads and plan.state != "zero":
+                keep = list(range(1, len(locks)))   # the seeds of EPIC's heads read these nodes' states
+            elif record.state_source == "predecessor":
+                keep = [len(nodes)]                 # the question's copy-on-write reads the last chunk's
         finally:
-            keep = locks.pop(len(nodes)) if record.state_source == "predecessor" else None
-            for lock in locks:
-                self.unlock(lock)
-        req._linearkv_chunk_lock = keep
+            for i, lock in enumerate(locks):
+                if i not in keep:
+                    self.unlock(lock)
+        setattr(req, LOCKS_ATTR, [locks[i] for i in keep])
+        setattr(req, READS_DONE_ATTR, None)
         req._linearkv_slots = slots
         record.assembled = True
-        record.reused_tokens = plan.chunk_tokens
-        record.recomputed_tokens = len(req.origin_input_ids) - plan.question_start
+        record.reused_tokens = plan.chunk_tokens - plan.head_tokens
+        record.recomputed_tokens = len(req.origin_input_ids) - plan.question_start + plan.head_tokens
         tr = record_of(req)
         if tr is not None:   # the Tail-Replay plan over P was only the fallback
             tr.plan, tr.kv_slots, tr.own_end = None, None, None
@@ -407,8 +428,11 @@ class LinearKVRadixCache(TailReplayRadixCache):
         path = self.tree_core.collect_full_device_indices(prefix_node, root)
         self.relocator.copy(path[start:start + len(dst)], dst, delta=0)
 
-    def _seed_state(self, req: Any, record: LinearKVRequest, nodes: list[Any]) -> None:
-        """Seed the question's state from `nodes` (predecessor: [last chunk]; compose: [P?, chunks...])."""
+    def _seed_state(self, req: Any, record: LinearKVRequest, nodes: list[Any], prefix_state: Any) -> None:
+        """Seed the question's state slot by the plan's state rule (predecessor: a deferred
+        copy-on-write of the last chunk's; zero: a deferred clear; compose: folded in now), and
+        leave EPIC's heads, if any, to the worker's pre-pass (`prepass.py`), which then writes a
+        composed question seed itself (its stages overwrite the slot)."""
         kv = req.kv
         if not kv.holds_mamba:
             slot = self.req_to_token_pool.mamba_allocator.alloc(1)
@@ -417,36 +441,35 @@ class LinearKVRadixCache(TailReplayRadixCache):
                 slot = self.req_to_token_pool.mamba_allocator.alloc(1)
             assert slot is not None, "linearkv: no free state slot for an admitted request"
             kv.mamba_pool_idx = slot[0]
-        if record.plan.state == "predecessor":
-            kv.mamba_cow_src_index = self.tree_core.get_component_device_value(nodes[-1], ComponentType.MAMBA)
-            kv.mamba_needs_clear = False
-            record.state_source = "predecessor"
-        elif record.plan.state == "compose":
-            self._compose_into(kv.mamba_pool_idx, req, record, nodes)
-            kv.mamba_cow_src_index = None
-            kv.mamba_needs_clear = False
-            record.state_source = "compose"
-        else:
-            kv.mamba_cow_src_index = None
-            kv.mamba_needs_clear = True
-            record.state_source = "zero"
-
-    def _compose_into(self, dst: Any, req: Any, record: LinearKVRequest, nodes: list[Any]) -> None:
-        """Write into state slot `dst`: per Mamba-2 layer the chunks' end states folded through their
-        decays (h <- a_j h + s_j from zero, fp32), and the last chunk's conv window."""
-        pool = self.req_to_token_pool.mamba_pool
-        cache = pool.mamba_cache
-        slots = [self.tree_core.get_component_device_value(n, ComponentType.MAMBA) for n in nodes]
-        src = torch.cat([torch.as_tensor(s).reshape(-1) for s in slots]).to(torch.int64)
-        dst = torch.as_tensor(dst).reshape(-1).to(torch.int64)
         plan = record.plan
-        decays = self._transitions_of(req, ([(0, plan.prefix_end)] if plan.prefix_end else []) + list(plan.chunks))
-        for index, layer_id in enumerate(pool.mamba_layer_ids):
-            states = cache.temporal[index].index_select(0, src)
-            steps = [d[layer_id] for d in decays]
-            cache.temporal[index, dst] = compose("mamba2", list(states), steps).to(cache.temporal.dtype)[None]
-        for conv in cache.conv:
-            conv[:, dst] = conv[:, src[-1:]]
+        kv.mamba_cow_src_index = None
+        kv.mamba_needs_clear = False
+        question = self._seed_after(req, plan, len(plan.chunks), nodes, prefix_state)
+        if plan.state == "predecessor":
+            kv.mamba_cow_src_index = question.slots[0]
+        elif plan.state == "zero":
+            kv.mamba_needs_clear = True
+        elif not plan.heads:
+            write_seed(self.req_to_token_pool, question, kv.mamba_pool_idx)
+        record.state_source = plan.state
+        if plan.heads:
+            heads = [(s, e, self._seed_after(req, plan, j, nodes, prefix_state)) for j, (s, e) in enumerate(plan.heads)]
+            setattr(req, PREPASS_ATTR, PrePass(heads, question if plan.state in COMPOSING_RULES else None))
+
+    def _seed_after(self, req: Any, plan: Any, j: int, nodes: list[Any], prefix_state: Any) -> StateSeed:
+        """The state rule's seed for a span after P and chunks[:j] (the reference path's per-span
+        rule, `initializers.STATE_RULES`): zero; predecessor: chunk j-1's end state (j = 0: P's,
+        zero without P); compose: P's and chunks[:j]'s folded through their decays."""
+        sources = ([prefix_state] if prefix_state is not None else []) + list(nodes[:j])
+        if plan.state == "zero" or not sources:
+            return StateSeed("zero")
+        slots = tuple(self.tree_core.get_component_device_value(n, ComponentType.MAMBA) for n in sources)
+        if plan.state == "predecessor":
+            return StateSeed("copy", slots[-1:])
+        spans = ([(0, plan.prefix_end)] if plan.prefix_end else []) + list(plan.chunks[:j])
+        decays = self._transitions_of(req, spans)
+        assert decays is not None, "linearkv: a composed chunk lost its transition after its match"
+        return StateSeed("compose", slots, tuple(decays))
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
         record = linearkv_record(req)
@@ -462,10 +485,22 @@ class LinearKVRadixCache(TailReplayRadixCache):
 
     # ---- release -----------------------------------------------------------------------------
     def _drop_chunk_lock(self, req: Any) -> None:
-        lock = getattr(req, "_linearkv_chunk_lock", None)
-        if lock is not None:
-            req._linearkv_chunk_lock = None
+        locks = getattr(req, LOCKS_ATTR, None) or []
+        setattr(req, LOCKS_ATTR, None)
+        setattr(req, PREPASS_ATTR, None)
+        setattr(req, READS_DONE_ATTR, None)
+        for lock in locks:
             self.unlock(lock)
+
+    def release_read_locks(self, req: Any) -> None:
+        """Unlock the chunk nodes whose states the request's first forward read, once it has read
+        them (`prepass.reads_done`); before that, keep them."""
+        if getattr(req, LOCKS_ATTR, None) and reads_done(req):
+            self._drop_chunk_lock(req)
+
+    def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        self.release_read_locks(req)
+        super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         self._drop_chunk_lock(req)

@@ -34,3 +34,11 @@ def test_table_compares_hits_only_against_the_reference_items():
     # 2 scored items (the miss is left out); server 50 vs reference 100; outputs equal on 1 of 2
     assert cells[3:8] == ["2", "2 / 3", "100.0", "50.0", "-50.0"]
     assert cells[10] == "50 %"
+
+
+def test_table_has_a_row_per_selector():
+    keys = ["m|niah|1024|0|none|predecessor", "m|niah|1024|0|epic-16|predecessor"]
+    server = [{**_rec(k, 100.0, True, [5, 0]), "selector": k.split("|")[4]} for k in keys]
+    reference = {k: {"score": 100.0, "full_score": 100.0, "output": [5, 0], "drift": 0.02} for k in keys}
+    rows = table(server, reference).splitlines()[2:4]
+    assert [r.split("|")[2].strip() for r in rows] == ["epic-16", "none"]

@@ -27,13 +27,36 @@ def test_config_defaults_and_values():
         state="zero", min_chunk_tokens=4, separator=" # # ")
 
 
+def test_selector_config_epic_k():
+    assert parse_config('{"selector": "epic"}').selector == "epic-16"
+    assert parse_config('{"selector": "epic", "k": 4}').selector == "epic-4"
+    assert parse_config('{"selector": "epic-8"}') == LinearKVConfig(selector="epic-8", k=8)
+    assert parse_config('{"selector": "epic-0"}').selector == "none"
+
+
+def test_epic_heads_are_the_first_k_tokens_of_every_chunk_clipped():
+    config = parse_config('{"selector": "epic-6", "min_chunk_tokens": 1}')
+    plan = plan_chunks({"chunks": [[3, 20], [20, 24], [24, 40]]}, 50, config)
+    assert plan.heads == ((3, 9), (20, 24), (24, 30)) and plan.head_tokens == 16 and plan.selector == "epic-6"
+    # per request: "none", "epic" (the server's k, else 16), "epic-<k>"
+    assert plan_chunks({"chunks": [[3, 20]], "selector": "none"}, 50, config).heads == ()
+    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic"}, 50, config).heads == ((3, 9),)
+    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic"}, 50, LinearKVConfig(min_chunk_tokens=1)).k == 16
+    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic-2"}, 50, config).heads == ((3, 5),)
+    with pytest.raises(ValueError, match=r"custom_params.linearkv.selector: 'cacheblend-15' is not served"):
+        plan_chunks({"chunks": [[3, 40]], "selector": "cacheblend-15"}, 50, config)
+
+
 @pytest.mark.parametrize(("text", "needle"), [
-    ('{"selector": "epic-16"}', "key 'selector'"),
+    ('{"selector": "cacheblend-15"}', "key 'selector': 'cacheblend-15' is not served"),
+    ('{"selector": "epic-x"}', "key 'selector'"),
+    ('{"selector": "epic-8", "k": 4}', "key 'k' = 4 contradicts"),
+    ('{"selector": "epic", "k": -1}', "key 'k' must be an integer"),
     ('{"state": "packed-last"}', "key 'state'"),
     ('{"min_chunk_tokens": 0}', "key 'min_chunk_tokens'"),
     ('{"min_chunk_tokens": true}', "key 'min_chunk_tokens'"),
     ('{"separator": ""}', "key 'separator'"),
-    ('{"k": 16}', "unknown key 'k'"),
+    ('{"kk": 16}', "unknown key 'kk'"),
     ("[1]", "must be a JSON object"),
     ("{", "not valid JSON"),
 ])
@@ -96,7 +119,7 @@ def test_summary_and_server_flags():
     record = LinearKVRequest(plan=ChunkPlan(((0, 8),), "zero"), chunks_hit=1, reused_tokens=8,
                              recomputed_tokens=3, state_source="zero", assembled=True)
     assert summary(record) == {"chunks_hit": 1, "chunks_missed": 0, "reused_tokens": 8, "recomputed_tokens": 3,
-                               "state_source": "zero"}
+                               "state_source": "zero", "selector": "none"}
 
     class Args:
         radix_cache_backend, page_size, mamba_scheduler_strategy = "linearkv", 16, "no_buffer"
@@ -104,6 +127,9 @@ def test_summary_and_server_flags():
         check_server_flags(Args())
     Args.page_size, Args.mamba_scheduler_strategy = 1, "extra_buffer"
     with pytest.raises(ValueError, match="no_buffer"):
+        check_server_flags(Args())
+    Args.mamba_scheduler_strategy, Args.enable_dp_attention = "no_buffer", True
+    with pytest.raises(ValueError, match="--enable-dp-attention"):
         check_server_flags(Args())
     Args.radix_cache_backend = "tail_replay"
     check_server_flags(Args())
