@@ -42,7 +42,7 @@ from sglang_ext.linearkv.ops import compose
 PREPASS_ATTR = "_linearkv_prepass"
 #: attribute on SGLang's Req holding the locks of the nodes whose states its first forward reads
 LOCKS_ATTR = "_linearkv_chunk_locks"
-#: attribute on SGLang's Req set once that forward is launched: an event to wait on, or True
+#: attribute on SGLang's Req set once that forward is launched: a device event to wait on, or True
 READS_DONE_ATTR = "_linearkv_reads_done"
 
 
@@ -105,12 +105,14 @@ def first_forward_readers(batch: Any) -> list[Any]:
 
 def mark_reads_done(runner: Any, reqs: list[Any]) -> None:
     """After the forward is launched: mark the requests' reads as enqueued (an event on the
-    current stream on CUDA; True where the forward ran synchronously)."""
+    current stream of an accelerator, e.g. the forward stream on CUDA; True on the CPU, where the
+    forward has run by now)."""
     if not reqs:
         return
     marker: Any = True
-    if str(runner.device).startswith("cuda"):
-        marker = torch.cuda.Event()
+    device = torch.device(runner.device)
+    if device.type != "cpu":
+        marker = torch.get_device_module(device).Event()
         marker.record()
     for req in reqs:
         setattr(req, READS_DONE_ATTR, marker)
