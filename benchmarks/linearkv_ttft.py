@@ -44,13 +44,13 @@ import sys
 import time
 from pathlib import Path
 
-import requests
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.ttft_tail_replay import process_tree, sample_load, server_cpu_seconds, server_thread_env  # noqa: E402
+from benchmarks.ttft_tail_replay import process_tree, sample_load, server_thread_env, timed_post  # noqa: E402
 from eval.harness import ServerProcess, servers_running  # noqa: E402
+from eval.quality.servers import Client  # noqa: E402
 from sglang_ext.linearkv.serving import parse_config  # noqa: E402
 
 DEFAULT_MODEL = "trained_models/gdn-ruler"
@@ -81,17 +81,10 @@ def compose(prefix: list[int], chunks: list[list[int]], order: list[int], questi
 
 def timed_generate(server: ServerProcess, ids: list[int], spans: list[list[int]] | None,
                    selector: str | None = None) -> dict:
-    sampling: dict = {"max_new_tokens": 1, "temperature": 0}
+    custom = None
     if spans is not None:
-        sampling["custom_params"] = {"linearkv": {"chunks": spans, **({"selector": selector} if selector else {})}}
-    cpu0 = server_cpu_seconds(server)
-    t0 = time.perf_counter()
-    resp = requests.post(f"{server.url}/generate", json={"input_ids": ids, "sampling_params": sampling},
-                         timeout=3600)
-    ttft = time.perf_counter() - t0
-    cpu = server_cpu_seconds(server) - cpu0
-    resp.raise_for_status()
-    meta = resp.json()["meta_info"]
+        custom = {"linearkv": {"chunks": spans, **({"selector": selector} if selector else {})}}
+    ttft, cpu, meta = timed_post(server, ids, custom)
     details = meta.get("cached_tokens_details") or {}
     return {"ttft_s": ttft, "server_cpu_s": cpu, "prompt_tokens": meta.get("prompt_tokens"),
             "cached_tokens": meta.get("cached_tokens"), "linearkv": details.get("linearkv"),
@@ -104,14 +97,6 @@ def check_hit(rec: dict, k: int, chunk_tokens: int, question: int, epic_k: int =
             "recomputed_tokens": question + heads}
     got = {key: (rec.get("linearkv") or {}).get(key) for key in want}
     return [] if got == want else [f"L={rec['L']} rep={rec['rep']}: expected linearkv {want}, got {rec.get('linearkv')}"]
-
-
-def flush(server: ServerProcess, attempts: int = 100) -> None:
-    for _ in range(attempts):
-        if requests.post(f"{server.url}/flush_cache", timeout=120).status_code == 200:
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{server.url}/flush_cache refused {attempts} times")
 
 
 def server_args(longest: int, config: dict) -> list[str]:
@@ -222,7 +207,7 @@ def run(args) -> int:
             timed_generate(server, *compose(system, warm, order, prompts.tokens(args.question_tokens)))
         for L in lengths:
             loads[f"before L={L}"] = sample_load(own, True)
-            flush(server)
+            Client(server.url).flush(attempts=100)
             k = L // args.chunk_tokens
             chunks = [prompts.tokens(args.chunk_tokens) for _ in range(k)]
 

@@ -8,7 +8,7 @@ own seams and leaves SGLang's arguments and fast paths alone.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sglang_ext.env import (
@@ -170,32 +170,32 @@ def _pop_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:
     return out, value
 
 
-def _export_tail_replay_config(text: str | None) -> None:
-    """Validate here (a clear error before SGLang starts), then hand it to every process."""
-    from sglang_ext.tail_replay import TailReplayConfigError, parse_config
-
+def _export_config(text: str | None, parse: Callable[[str], object], error: type[Exception],
+                   export: Callable[[str], None]) -> None:
+    """A config flag's JSON: validated here (a clear error naming the key before SGLang starts),
+    then handed to every process."""
     if text is None:
         return
     try:
-        parse_config(text)
-    except TailReplayConfigError as exc:
+        parse(text)
+    except error as exc:
         raise LaunchError(str(exc)) from None
-    export_tail_replay_config(text)
+    export(text)
+
+
+def _export_tail_replay_config(text: str | None) -> None:
+    """`--tail-replay-config` (see tail_replay/config.py)."""
+    from sglang_ext.tail_replay import TailReplayConfigError, parse_config
+
+    _export_config(text, parse_config, TailReplayConfigError, export_tail_replay_config)
 
 
 def _export_linearkv_config(text: str | None) -> None:
-    """`--linearkv-config`: validated here (naming the key), then handed to every process."""
+    """`--linearkv-config` (see linearkv/serving.py)."""
     from sglang_ext.env import export_linearkv_config
-    from sglang_ext.linearkv import LinearKVConfigError
-    from sglang_ext.linearkv import parse_server_config as parse_config
+    from sglang_ext.linearkv import LinearKVConfigError, parse_server_config
 
-    if text is None:
-        return
-    try:
-        parse_config(text)
-    except LinearKVConfigError as exc:
-        raise LaunchError(str(exc)) from None
-    export_linearkv_config(text)
+    _export_config(text, parse_server_config, LinearKVConfigError, export_linearkv_config)
 
 
 def _check_tail_replay_start(server_args) -> None:

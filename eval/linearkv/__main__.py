@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from eval.linearkv.data import TASKS, Builder
+from eval.linearkv.records import appending, load_records
 from eval.quality.ruler import ruler_score
 from sglang_ext.linearkv import STATE_RULES, get_state_rule, parse_selector
 from sglang_ext.linearkv import reference as R
@@ -51,16 +52,6 @@ def _load(model_dir: str):
 
 def _key(*parts) -> str:
     return "|".join(str(p) for p in parts)
-
-
-def _done(path: Path) -> dict[str, dict]:
-    out = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                out[rec["key"]] = rec
-    return out
 
 
 def _score(metric: str, tok, out_ids: list[int], answers) -> float:
@@ -251,15 +242,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
-    records = _done(path)
+    records = load_records(path)
     if not args.report_only:
         load = os.getloadavg()
-        with path.open("a") as fh:
-            def sink(rec):
-                records[rec["key"]] = rec
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
-
+        with appending(path, records) as sink:
             for m in args.models:
                 run_model(m, args, records, sink)
         (out / "machine.json").write_text(json.dumps({"loadavg_start": load, "loadavg_end": os.getloadavg(),

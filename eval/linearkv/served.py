@@ -41,6 +41,7 @@ import requests
 
 from eval.harness import ServerProcess, servers_running
 from eval.linearkv.data import TASKS, Builder
+from eval.linearkv.records import appending, load_records
 from eval.quality.ruler import ruler_score
 from sglang_ext.linearkv.serving import epic_k
 
@@ -107,16 +108,6 @@ def forced_logprobs(url: str, ids: list[int], forced: list[int], spans: list[lis
 
 def _strip(out: list[int], stop: tuple[int, ...]) -> list[int]:
     return out[:-1] if out and out[-1] in stop else out
-
-
-def _load_records(path: Path) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                out[rec["key"]] = rec
-    return out
 
 
 def server_args(config: dict, context: int) -> list[str]:
@@ -273,16 +264,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
-    records = _load_records(path)
-    reference = _load_records(Path(args.reference))
+    records = load_records(path)
+    reference = load_records(Path(args.reference))
     if not args.report_only:
         load = os.getloadavg()
-        with path.open("a") as fh:
-            def sink(rec):
-                records[rec["key"]] = rec
-                fh.write(json.dumps(rec) + "\n")
-                fh.flush()
-
+        with appending(path, records) as sink:
             for m in args.models:
                 run_model(m, args, records, sink)
         _log_run(out / "machine.json", {"command": "python -m eval.linearkv.served " + " ".join(argv or sys.argv[1:]),

@@ -15,6 +15,12 @@ def _ppl(config, key, group, logprobs, replayed, cached):
             "cached_tokens": cached}
 
 
+def _write_samples(folder, rows):
+    """A run folder as the quality runner leaves it: samples.jsonl, one row per line."""
+    folder.mkdir()
+    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
 ROWS = [
     _ppl("full", "a", "1K", [-1.0, -2.0], 0, 0), _ppl("full", "b", "4K", [-1.0, -1.0], 0, 0),
     # tr-5: 1K sample +0.2 / 0 nats, 4K sample 0 / -0.2 (cancels in the mean, not in |delta|)
@@ -45,10 +51,8 @@ def test_table_rows_in_report_order_with_ruler_columns(tmp_path, capsys):
               "cached_tokens": 0 if c == "full" else 3900, "replayed_tokens": 0 if c == "full" else 100,
               "output_ids": [1, 2], "output_logprobs": [-0.5, -0.5] if c == "full" else [-0.6, -0.5]}
              for k in ("x", "y") for c, s, p in (("full", 100.0, "7"), ("tr-5", 100.0, "7" if k == "x" else "8"))]
-    (tmp_path / "ppl").mkdir()
-    (tmp_path / "ppl" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    (tmp_path / "ruler").mkdir()
-    (tmp_path / "ruler" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ruler))
+    _write_samples(tmp_path / "ppl", ROWS)
+    _write_samples(tmp_path / "ruler", ruler)
     assert cli.main(["retention", "--perplexity", str(tmp_path / "ppl"), "--ruler", str(tmp_path / "ruler"),
                      "--out", str(tmp_path / "table.md")]) == 0
     lines = (tmp_path / "table.md").read_text().splitlines()
@@ -66,10 +70,8 @@ def test_longbench_columns_agreement_drift_replayed(tmp_path):
            "output_ids": [1, 2], "output_logprobs": lp}
           for k, c, p, r, lp in (("x", "full", "a b", 0, [-0.5, -0.5]), ("y", "full", "c", 0, [-1.0, -1.0]),
                                  ("x", "tr-5", "a b", 180, [-0.7, -0.5]), ("y", "tr-5", "d", 190, [-1.0, -1.0]))]
-    (tmp_path / "ppl").mkdir()
-    (tmp_path / "ppl" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    (tmp_path / "lb").mkdir()
-    (tmp_path / "lb" / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lb))
+    _write_samples(tmp_path / "ppl", ROWS)
+    _write_samples(tmp_path / "lb", lb)
     assert cli.main(["retention", "--perplexity", str(tmp_path / "ppl"), "--longbench", str(tmp_path / "lb"),
                      "--out", str(tmp_path / "table.md")]) == 0
     lines = (tmp_path / "table.md").read_text().splitlines()
