@@ -18,6 +18,9 @@ for the tail), `tail_replay_gdn_bound` and `tail_replay_mamba2_bound` (each appr
 state bound from its tail's gates), `tail_replay_meta` (the per-request summaries in meta_info,
 Tail-Replay's and LinearKV's), `linearkv_request` (LinearKV: chunks found and registered on arrival), `linearkv_prepass`
 (LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward).
+One fix to SGLang itself rides with them, because it hits GPUs too: `mamba_conv_dtype` (the linear
+layers' conv-window state in the model's dtype, not a fixed bfloat16, which the `extra_buffer`
+strategy's tracking copy requires).
 
 Applying a module twice is a no-op. Spawned SGLang children re-apply from `sglang_ext.env`'s
 `SGLANG_EXT_PATCH_MODE`: under the launcher through `sglang_ext.spawn_main` (imported by every
@@ -55,7 +58,8 @@ EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "t
                                 "tail_replay_gdn_bound", "tail_replay_mamba2_bound", "tail_replay_meta",
                                 "tail_replay_request", "tail_replay_sizing", "tail_replay_pages",
                                 "request_token_ids", "linearkv_request", "linearkv_prepass",
-                                "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat")
+                                "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat",
+                                "mamba_conv_dtype")
 
 _applied: list[str] = []
 

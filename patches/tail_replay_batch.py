@@ -1,5 +1,6 @@
 """Exact-KV Tail-Replay, part 1: find a forward batch's replayed-tail rows and their tree slots
-(and, for the state bound, the rows of every approximate replay's tail).
+(and, for the state bound, the rows of every approximate replay's tail; for provenance, the rows
+each request computes after an approximate start: `carry_segments_of`).
 
 Target (SGLang 0.5.23): `srt/model_executor/forward_batch_info.py::ForwardBatch.init_new`. Per
 extend forward, the rows of the packed batch that belong to a request's replayed tail
@@ -31,7 +32,15 @@ from typing import Any
 import torch
 
 from sglang_ext.linearkv import capture_of
-from sglang_ext.tail_replay import BoundSegments, HitKind, bound_segments, record_first_forward, record_of
+from sglang_ext.tail_replay import (
+    BoundSegments,
+    CarrySegments,
+    HitKind,
+    bound_segments,
+    carry_segments,
+    record_first_forward,
+    record_of,
+)
 
 #: (rows, slots, kv pool) of a batch's replayed tails
 Tail = tuple[torch.Tensor, torch.Tensor, Any]
@@ -75,6 +84,14 @@ def _bound_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens
     return bound_segments(tails, prefix_lens, extend_lens)
 
 
+def _carry_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens: Sequence[int]
+                    ) -> CarrySegments | None:
+    """Rows of the packed extend batch that requests compute after an approximate start (their
+    provenance bound per position, `sglang_ext.tail_replay.provenance`)."""
+    records = [record_of(req) for req in reqs]
+    return carry_segments([None if r is None else r.carry for r in records], prefix_lens, extend_lens)
+
+
 def _record_first_forward(reqs: Sequence[Any]) -> None:
     for req in reqs:
         record = record_of(req)
@@ -92,14 +109,17 @@ def _wrap_init_new(original: classmethod) -> classmethod:
             extend = fb.extend_seq_lens_cpu or fb.extend_seq_lens.tolist()
             rows, slots = _tail_rows_and_slots(batch.reqs, prefix, extend)
             segments = _bound_segments(batch.reqs, prefix, extend)
-            if rows is not None or segments is not None:
+            carries = _carry_segments(batch.reqs, prefix, extend)
+            if rows is not None or segments is not None or carries is not None:
                 device = fb.input_ids.device
                 if rows is not None:
                     rows = rows.to(device)
                 if segments is not None:
                     segments = dataclasses.replace(segments, rows=segments.rows.to(device),
                                                    segment=segments.segment.to(device))
-                _remember(_batch_keys(fb), rows, slots, model_runner.token_to_kv_pool, segments)
+                if carries is not None:
+                    carries = dataclasses.replace(carries, rows=carries.rows.to(device))
+                _remember(_batch_keys(fb), rows, slots, model_runner.token_to_kv_pool, segments, carries)
         return fb
 
     return classmethod(init_new)
@@ -111,9 +131,9 @@ def _batch_keys(forward_batch: Any) -> list:
 
 
 def _remember(keys: list, rows: torch.Tensor | None, slots: torch.Tensor | None, kv_pool: Any,
-              segments: BoundSegments | None = None) -> None:
+              segments: BoundSegments | None = None, carries: CarrySegments | None = None) -> None:
     for key in keys:
-        _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool, segments)
+        _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool, segments, carries)
     while len(_TAIL_BY_BATCH) > 2 * _MAX_BATCHES_IN_FLIGHT:
         _TAIL_BY_BATCH.popitem(last=False)
 
@@ -137,6 +157,12 @@ def bound_segments_of(forward_batch: Any) -> BoundSegments | None:
     """The rows of approximate replays' tails in this forward batch (or a copy of it), or None."""
     entry = _entry_of(forward_batch)
     return None if entry is None else entry[4]
+
+
+def carry_segments_of(forward_batch: Any) -> CarrySegments | None:
+    """The rows requests compute after an approximate start in this forward batch, or None."""
+    entry = _entry_of(forward_batch)
+    return None if entry is None else entry[5]
 
 
 def apply() -> None:

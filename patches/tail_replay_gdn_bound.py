@@ -5,7 +5,9 @@ model-layer call every GDN model makes (Qwen3-Next, Qwen3.5) with the gate input
 packed batch, before any backend (CPU, Triton, FlashInfer) computes the gating. For an extend batch
 holding approximate replays' tails (`patches/tail_replay_batch.py::bound_segments_of`) it computes
 g = -exp(A_log) softplus(a + dt_bias) on those rows only and adds each request's sum per head into
-its record (`BoundSegments.accumulate`: one gather and one segment sum per layer, no host sync).
+its record (`BoundSegments.accumulate`: one gather and one segment sum per layer, no host sync);
+then, for the rows requests compute after an approximate start (`carry_segments_of`), the per-row
+provenance bound (`CarrySegments.accumulate`: one gather, one cumsum per request and layer).
 
 Not covered: layers of other kinds through the same class (KDA: `lower_bound` set, per-channel `a`),
 which are left alone, and extends inside a prefill CUDA graph (the forward is only captured there;
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from patches.tail_replay_batch import bound_segments_of
+from patches.tail_replay_batch import bound_segments_of, carry_segments_of
 from sglang_ext.tail_replay import gdn_log_decay
 
 TARGET = "srt/layers/radix_linear_attention.py: RadixLinearAttention.forward"
@@ -38,15 +40,22 @@ def accumulate_gdn_bound(layer: Any, forward_batch: Any, a: torch.Tensor) -> boo
         return False
     if getattr(layer, "lower_bound", None) is not None or layer.A_log is None or layer.dt_bias is None:
         return False
-    segments = bound_segments_of(forward_batch)
-    if segments is None:
+    segments, carries = bound_segments_of(forward_batch), carry_segments_of(forward_batch)
+    if segments is None and carries is None:
         return False
     gates = a.reshape(-1, a.shape[-1])
-    if gates.shape[-1] != layer.A_log.numel() or gates.shape[0] < segments.end:
+    if gates.shape[-1] != layer.A_log.numel():
         return False
-    segments.accumulate(layer.layer_id, gdn_log_decay(gates.index_select(0, segments.rows),
-                                                      layer.A_log, layer.dt_bias))
-    return True
+    added = False
+    if segments is not None and gates.shape[0] >= segments.end:
+        segments.accumulate(layer.layer_id, gdn_log_decay(gates.index_select(0, segments.rows),
+                                                          layer.A_log, layer.dt_bias))
+        added = True
+    if carries is not None and gates.shape[0] >= carries.end:
+        carries.accumulate(layer.layer_id, gdn_log_decay(gates.index_select(0, carries.rows),
+                                                         layer.A_log, layer.dt_bias))
+        added = True
+    return added
 
 
 def _wrap_forward(original: Callable) -> Callable:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from patches.tail_replay_batch import bound_segments_of
-from sglang_ext.tail_replay import BoundSegments, mamba2_log_decay
+from patches.tail_replay_batch import bound_segments_of, carry_segments_of
+from sglang_ext.tail_replay import BoundSegments, CarrySegments, mamba2_log_decay
 
 TARGET = ("srt/layers/attention/hybrid_linear_attn_backend.py: Mamba2AttnBackend.forward, and "
           "srt/layers/attention/mamba/mamba.py: mamba_chunk_scan_combined")
@@ -35,33 +35,42 @@ TARGET = ("srt/layers/attention/hybrid_linear_attn_backend.py: Mamba2AttnBackend
 #: set on the installed wrappers, so `apply()` is idempotent
 MARK = "_sglang_ext_tail_bound"
 
-#: (bound segments, layer id) of the mixer running now, or None
-_CURRENT: contextvars.ContextVar[tuple[BoundSegments, int] | None] = contextvars.ContextVar(
-    "sglang_ext_tail_bound_mamba2", default=None)
+#: (bound segments, carry segments, layer id) of the mixer running now, or None
+_CURRENT: contextvars.ContextVar[tuple[BoundSegments | None, CarrySegments | None, int] | None] = \
+    contextvars.ContextVar("sglang_ext_tail_bound_mamba2", default=None)
 
 
-def accumulate_mamba2_bound(segments: BoundSegments, layer_id: int, dt: torch.Tensor, A: torch.Tensor,
+def accumulate_mamba2_bound(segments: BoundSegments | None, layer_id: int, dt: torch.Tensor, A: torch.Tensor,
                             dt_bias: torch.Tensor | None, dt_softplus: bool,
-                            dt_limit: tuple[float, float]) -> bool:
+                            dt_limit: tuple[float, float], carries: CarrySegments | None = None) -> bool:
     """dt [1, prefill tokens, heads] (raw, as the scan receives it): add this batch's replayed-tail
-    log-decay at `layer_id` into the requests' records. Returns whether anything was added."""
+    log-decay at `layer_id` into the requests' records, then the carried rows' provenance bounds.
+    Returns whether anything was added."""
     steps = dt.reshape(-1, dt.shape[-1])
-    if steps.shape[0] < segments.end or steps.shape[-1] != A.numel():
+    if steps.shape[-1] != A.numel():
         return False
-    segments.accumulate(layer_id, mamba2_log_decay(steps.index_select(0, segments.rows), A, dt_bias,
-                                                   dt_softplus, dt_limit))
-    return True
+    added = False
+    if segments is not None and steps.shape[0] >= segments.end:
+        segments.accumulate(layer_id, mamba2_log_decay(steps.index_select(0, segments.rows), A, dt_bias,
+                                                       dt_softplus, dt_limit))
+        added = True
+    if carries is not None and steps.shape[0] >= carries.end:
+        carries.accumulate(layer_id, mamba2_log_decay(steps.index_select(0, carries.rows), A, dt_bias,
+                                                      dt_softplus, dt_limit))
+        added = True
+    return added
 
 
 def _wrap_backend_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, mixer, hidden_states, output, layer_id, forward_batch, *args, **kwargs):
         mode = forward_batch.forward_mode
-        segments = (bound_segments_of(forward_batch)
-                    if mode.is_extend() and not mode.is_target_verify() else None)
-        if segments is None:
+        extend = mode.is_extend() and not mode.is_target_verify()
+        segments = bound_segments_of(forward_batch) if extend else None
+        carries = carry_segments_of(forward_batch) if extend else None
+        if segments is None and carries is None:
             return original(self, mixer, hidden_states, output, layer_id, forward_batch, *args, **kwargs)
-        token = _CURRENT.set((segments, layer_id))
+        token = _CURRENT.set((segments, carries, layer_id))
         try:
             return original(self, mixer, hidden_states, output, layer_id, forward_batch, *args, **kwargs)
         finally:
@@ -76,10 +85,10 @@ def _wrap_chunk_scan(original: Callable) -> Callable:
     def mamba_chunk_scan_combined(x, dt, A, *args, **kwargs):
         current = _CURRENT.get()
         if current is not None:
-            segments, layer_id = current
+            segments, carries, layer_id = current
             accumulate_mamba2_bound(segments, layer_id, dt, A, kwargs.get("dt_bias"),
                                     bool(kwargs.get("dt_softplus", False)),
-                                    kwargs.get("dt_limit", (0.0, float("inf"))))
+                                    kwargs.get("dt_limit", (0.0, float("inf"))), carries)
         return original(x, dt, A, *args, **kwargs)
 
     setattr(mamba_chunk_scan_combined, MARK, True)

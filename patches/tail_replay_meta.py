@@ -25,7 +25,7 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
 
         record = record_of(req)
         if record is not None and record.plan is not None:
-            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: replay_summary(record)}
+            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: replay_summary(record, len(req.origin_input_ids))}
         linearkv = getattr(req, "_linearkv_record", None)
         if linearkv is not None and not linearkv.register and linearkv.plan is not None:
             from sglang_ext.linearkv import META_KEY as LINEARKV_KEY

@@ -19,8 +19,6 @@ TAIL_REPLAY_CONFIG_VAR = "SGLANG_EXT_TAIL_REPLAY_CONFIG"
 LINEARKV_CONFIG_VAR = "SGLANG_EXT_LINEARKV_CONFIG"
 #: Read by SGLang itself; required for its CPU engine.
 SGLANG_CPU_ENGINE_VAR = "SGLANG_USE_CPU_ENGINE"
-#: Read by SGLang itself: dtype of the linear layers' conv-window state (its default: bfloat16).
-SGLANG_MAMBA_CONV_DTYPE_VAR = "SGLANG_MAMBA_CONV_DTYPE"
 #: Read by HF tokenizers: its own thread pool, which must be off in forked data-loader workers.
 TOKENIZERS_PARALLELISM_VAR = "TOKENIZERS_PARALLELISM"
 #: CPU serving threads: unset or "auto" -> the launcher's defaults (launcher.cpu_thread_env);
@@ -71,12 +69,6 @@ def export_linearkv_config(text: str) -> None:
 
 def export_tail_replay_config(text: str) -> None:
     os.environ[TAIL_REPLAY_CONFIG_VAR] = text
-
-
-def export_conv_state_dtype(dtype: str) -> None:
-    """Store conv-window states in `dtype` unless the user chose one (SGLang defaults to bf16,
-    which makes fp32 decode differ from a full recompute)."""
-    os.environ.setdefault(SGLANG_MAMBA_CONV_DTYPE_VAR, dtype)
 
 
 def export_patch_mode(mode: str) -> None:

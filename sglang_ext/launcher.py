@@ -18,7 +18,6 @@ from sglang_ext.env import (
     MKL_NUM_THREADS_VAR,
     OMP_NUM_THREADS_VAR,
     OMP_WAIT_POLICY_VAR,
-    export_conv_state_dtype,
     export_cpu_thread_env,
     export_patch_mode,
     export_tail_replay_config,
@@ -40,10 +39,6 @@ CPU_DEFAULTS: dict[str, str | None] = {
 
 #: attention backends that can run on the CPU engine
 CPU_ATTENTION_BACKENDS = ("torch_native", "intel_amx")
-
-
-#: `--dtype` values that SGLang also accepts for the conv-window state
-CONV_STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class LaunchError(ValueError):
@@ -231,8 +226,6 @@ def serve(argv: list[str]) -> None:
     export_patch_mode(plan.mode)
     if plan.mode == "cpu":
         _use_cpu_threads(cpu_thread_env(os.environ, len(os.sched_getaffinity(0))))
-    if _flag_value(plan.argv, "--dtype") in CONV_STATE_DTYPES:
-        export_conv_state_dtype(_flag_value(plan.argv, "--dtype"))
     from patches import apply_patches
     from sglang_ext.spawn_main import use_as_spawn_main
 

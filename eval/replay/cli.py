@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from eval.machine import BusyMachineError, CpuWindow, require_quiet, sample_load
 from eval.replay.bound import ideal_curve, lru_curve
-from eval.replay.report import markdown_table, plot, summarize
+from eval.replay.report import compare_to_baseline, comparison_table, markdown_table, plot, same_outputs, summarize
 from eval.replay.servers import ServerSpec, ServerSpecError, flush_cache, parse_server_specs, stream_generate
 from eval.replay.tokens import TOKEN_HI, ScaledRequest, block_tokens, scale_trace
 from eval.trace_sim.loaders import DEFAULT_TRACE_ROOT, KvLoadOptions, load_kv_cache_tester, load_mooncake
@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "'lfu=stock --radix-eviction-policy lfu'")
     p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
                    help="sglang serve arguments for every server (shell-quoted)")
+    p.add_argument("--baseline", default=None,
+                   help="label of the server every other one is compared with per request (reuse on its hits, "
+                        "exact hits lost, TTFT p50 on its hits); e.g. stock SGLang with extra_buffer")
+    p.add_argument("--reference", default=None,
+                   help="label of a server without cache (`stock --disable-radix-cache`): each server's share of "
+                        "requests whose greedy output equals it")
     p.add_argument("--boot", choices=("together", "each"), default="each",
                    help="each: boot each server only for its own replay; together: boot all at once, "
                         "replay one after another (idle servers sleep)")
@@ -184,7 +190,7 @@ def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, co
                 "ok": resp.ok, "error": resp.error,
                 "cached_tokens": int(resp.meta_info.get("cached_tokens") or 0) if resp.ok else 0,
                 "tail_replay": details.get(META_KEY), "ttft_s": resp.ttft_s,
-                "latency_s": resp.latency_s}
+                "latency_s": resp.latency_s, "output_ids": list(resp.output_ids)}
 
     records: list[dict] = [None] * len(requests)  # type: ignore[list-item]
     bar = tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True)
@@ -285,6 +291,14 @@ def run(args) -> dict:
                 row, records = run_server(specs[i], i, procs[i], pids, scaled, refs, args, trace_info)
                 rows.append(row)
                 per_server[specs[i].label] = records
+    for label in (args.baseline, args.reference):
+        if label is not None and label not in per_server:
+            raise ReplayError(f"--baseline/--reference {label!r} is not a --servers label ({sorted(per_server)})")
+    for row in rows:
+        if args.baseline is not None:
+            row["vs_baseline"] = compare_to_baseline(per_server[row["server"]], per_server[args.baseline])
+        if args.reference is not None:
+            row["same_output"] = same_outputs(per_server[row["server"]], per_server[args.reference])
     argv = getattr(args, "argv", None)
     command = "python -m eval.replay " + shlex.join(argv) if argv is not None else shlex.join(sys.argv)
     report = {"command": command, "trace": trace_info,
@@ -323,6 +337,9 @@ def _markdown(report: dict) -> str:
              f"of {load['cpu_count']} CPUs, OMP_NUM_THREADS={load['omp_num_threads']}, client torch threads "
              f"{load['torch_threads']}.", "",
              markdown_table(report["servers"]), ""]
+    options = report["options"]
+    if options.get("baseline") or options.get("reference"):
+        lines += [comparison_table(report["servers"], options.get("baseline"), options.get("reference")), ""]
     for row in report["servers"]:
         if row["timings_withheld"]:
             lines.append(f"- {row['server']}: timings withheld, {row['timings_withheld']}")

@@ -3,7 +3,7 @@
 A request record (one JSON line per request in `requests-<server>.jsonl`) has: `index`,
 `session`, `prompt_tokens` (tokens sent), `ok`, `error`, `cached_tokens` (meta_info),
 `tail_replay` (meta_info.cached_tokens_details.tail_replay or None), `ttft_s`, `latency_s`,
-`ideal_tokens`, `lru_bound_tokens`.
+`output_ids` (the greedy output), `ideal_tokens`, `lru_bound_tokens`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,46 @@ def hit_kinds(records: Sequence[dict]) -> dict[str, int]:
     return dict(sorted(kinds.items()))
 
 
+def served_exactly(record: dict) -> bool:
+    """Whether a request was served exactly: Tail-Replay's own `exact` where it reports one, else
+    (a stock server, or a Tail-Replay miss before the field existed) True: stock SGLang reuses only
+    exact states."""
+    details = record.get("tail_replay")
+    return bool(details.get("exact", details.get("kind") != "approximate")) if details else True
+
+
+def exact_split(records: Sequence[dict]) -> dict[str, int]:
+    ok = [r for r in records if r["ok"]]
+    exact = sum(served_exactly(r) for r in ok)
+    return {"exact": exact, "approximate": len(ok) - exact}
+
+
+def compare_to_baseline(records: Sequence[dict], baseline: Sequence[dict]) -> dict:
+    """Per request against a baseline server's records of the same requests (same order): of the
+    requests the baseline hit (reused > 0), how many this server reused fewer tokens on, and how
+    many it served approximately where the baseline served exactly (every stock hit is exact);
+    TTFT p50 of both on those requests; replayed tokens per request."""
+    hits = [(r, b) for r, b in zip(records, baseline) if r["ok"] and b["ok"] and b["cached_tokens"] > 0]
+    ours = [r["ttft_s"] for r, _ in hits if r["ttft_s"] is not None]
+    theirs = [b["ttft_s"] for _, b in hits if b["ttft_s"] is not None]
+    return {
+        "baseline_hits": len(hits),
+        "reuse_below_baseline": sum(r["cached_tokens"] < b["cached_tokens"] for r, b in hits),
+        "exact_hits_lost": sum(served_exactly(b) and not served_exactly(r) for r, b in hits),
+        "ttft_p50_on_baseline_hits": percentile(ours, 50),
+        "baseline_ttft_p50_on_its_hits": percentile(theirs, 50),
+    }
+
+
+def same_outputs(records: Sequence[dict], reference: Sequence[dict]) -> float | None:
+    """Share of requests whose greedy output equals the reference server's (a server without a
+    cache), over the requests both answered."""
+    pairs = [(r, x) for r, x in zip(records, reference) if r["ok"] and x["ok"]]
+    if not pairs:
+        return None
+    return sum(list(r.get("output_ids") or []) == list(x.get("output_ids") or []) for r, x in pairs) / len(pairs)
+
+
 def summarize(label: str, records: Sequence[dict], ideal_total: int, lru_total: int,
               timing: dict) -> dict:
     """One server's row. `timing` carries `wall_s`, `machine_load`, `busy`, `timings_withheld`
@@ -60,6 +100,7 @@ def summarize(label: str, records: Sequence[dict], ideal_total: int, lru_total: 
         "hit_kinds": hit_kinds(records),
         "matched_tokens": sum(d["matched_tokens"] for d in details) if details else None,
         "replayed_tokens": sum(d["replayed_tokens"] for d in details) if details else None,
+        "exact_split": exact_split(records),
         **{k: v for k, v in timing.items() if k != "timings_withheld"},
         "timings_withheld": withheld,
     }
@@ -82,8 +123,9 @@ def _kinds(kinds: dict[str, int]) -> str:
 
 def markdown_table(rows: Sequence[dict]) -> str:
     lines = ["| server | requests | errors | prompt tokens | reused tokens | of ideal | LRU bound (of ideal) "
-             "| hit kinds | replayed tokens | TTFT mean / p50 / p95 s | wall s | other CPU % before / during | threads |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+             "| hit kinds | exact / approximate | replayed tokens | TTFT mean / p50 / p95 s | wall s "
+             "| other CPU % before / during | threads |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r["ttft_s"] is not None:
             t = r["ttft_s"]
@@ -97,8 +139,27 @@ def markdown_table(rows: Sequence[dict]) -> str:
         lines.append(
             f"| {r['server']} | {r['requests']} | {r['errors']} | {r['prompt_tokens']:,} | "
             f"{r['reused_tokens']:,} | {_pct(r['reuse_of_ideal'])} | {r['lru_bound_tokens']:,} "
-            f"({_pct(r['lru_bound_of_ideal'])}) | {_kinds(r['hit_kinds'])} | {replayed} | {ttft} | {wall} | "
+            f"({_pct(r['lru_bound_of_ideal'])}) | {_kinds(r['hit_kinds'])} | "
+            f"{r['exact_split']['exact']} / {r['exact_split']['approximate']} | {replayed} | {ttft} | {wall} | "
             f"{load.get('other_cpu_percent', '-')} / {r.get('other_cpu_percent_during', '-')} | {_threads(r)} |")
+    return "\n".join(lines)
+
+
+def comparison_table(rows: Sequence[dict], baseline: str | None, reference: str | None) -> str:
+    """Per-request comparison against the baseline server and output equality with the reference."""
+    lines = [f"| server | baseline ({baseline}) hits | reused fewer tokens | exact hits lost | TTFT p50 on those "
+             f"(server / baseline) s | replayed tokens per request | same output as {reference} |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r.get("vs_baseline") or {}
+        p50 = c.get("ttft_p50_on_baseline_hits")
+        base = c.get("baseline_ttft_p50_on_its_hits")
+        ttft = "-" if p50 is None or base is None else f"{p50:.3f} / {base:.3f}"
+        per_request = "-" if r["replayed_tokens"] is None else f"{r['replayed_tokens'] / max(r['requests'], 1):.1f}"
+        same = r.get("same_output")
+        lines.append(f"| {r['server']} | {c.get('baseline_hits', '-')} | {c.get('reuse_below_baseline', '-')} | "
+                     f"{c.get('exact_hits_lost', '-')} | {ttft} | {per_request} | "
+                     f"{'-' if same is None else _pct(same)} |")
     return "\n".join(lines)
 
 

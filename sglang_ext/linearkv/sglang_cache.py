@@ -405,7 +405,7 @@ class LinearKVRadixCache(TailReplayRadixCache):
         record.recomputed_tokens = len(req.origin_input_ids) - plan.question_start + plan.head_tokens
         tr = record_of(req)
         if tr is not None:   # the Tail-Replay plan over P was only the fallback
-            tr.plan, tr.kv_slots, tr.own_end = None, None, None
+            tr.plan, tr.kv_slots, tr.own_end, tr.carry = None, None, None, None
         return total
 
     def _declined(self, req: Any, record: LinearKVRequest) -> None:

@@ -75,6 +75,7 @@ from sglang_ext.tail_replay.metrics import (
     replay_summary,
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
+from sglang_ext.tail_replay.provenance import CarrySegments, carry_segments
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attach, plan_of, record_of
 from sglang_ext.tail_replay.startup import (
     ServerFacts,
@@ -94,14 +95,14 @@ from sglang_ext.tail_replay.state_bound import (
 )
 
 #: names served from `cache` (it imports SGLang's unified radix cache), loaded on first use
-_FROM_CACHE = ("TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_cache_factory")
+_FROM_CACHE = ("TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_cache_factory", "provenance_of")
 
 __all__ = [
     "BACKEND_NAME", "DEFAULTS", "KV_MODES", "REQUEST_PARAM_KEY", "RequestLimits", "TailReplayConfig",
     "TailReplayConfigError", "config_from_dict", "parse_config", "request_overrides", "server_config",
     "with_overrides", "user_settings", "with_model_profile", "AUTO",
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
-    "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of",
+    "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",
     "META_KEY", "is_recording_rank", "plan_summary", "record_bound", "record_first_forward", "record_plan",
     "replay_summary",
     "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",

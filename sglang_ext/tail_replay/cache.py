@@ -5,8 +5,11 @@ What changes against SGLang 0.5.23's `UnifiedRadixCache` + `MambaComponent`:
 - match: every node is valid for the Mamba component, so a hit is as long as the full-attention
   KV hit (L). The planner then sets the request's prefix length: a checkpoint at C (exact), or
   L - W with a zeroed linear state (approximate), or 0.
-- caching: states computed after an approximate replay (and, with keep_checkpoints=False, all
-  states) are never inserted; the attention KV still is.
+- provenance (`tail_replay.provenance`): every node the tree gets from a request carries the bound
+  of its KV per token, every stored state its bound; approximate end states are stored too (with
+  their bound: a conversation's next turn resumes from them), and fresh KV of a smaller bound
+  replaces an approximate node's on insert (where no request holds that node).
+- caching: with keep_checkpoints=False no state is inserted; the attention KV always is.
 The per-request decision goes into the request's record (`tail_replay.request`): its config
 (resolved once, at the first match), the plan (a ReplayPlan) and, for exact-KV replay, `kv_slots`:
 the tree's KV slots of the replayed tail, read by `patches/tail_replay_batch.py` /
@@ -19,21 +22,43 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from sglang.srt.mem_cache.unified_cache.cache_action import FreeDeviceKV
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, TreeComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_exec, mamba_cache_chunk_size, mamba_checkpoint_grid
 
-from sglang_ext.tail_replay import own_tail
+from sglang_ext.tail_replay import own_tail, provenance
 from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, request_overrides, server_config
+from sglang_ext.tail_replay.metrics import record_stored_bound
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
-from sglang_ext.tail_replay.request import TailReplayRequest, attach, plan_of, record_of
+from sglang_ext.tail_replay.provenance import CarryBound, NodeProvenance, PathProvenance
+from sglang_ext.tail_replay.request import TailReplayRequest, attach, bounds_of, computed_from, plan_of, record_of
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 
-__all__ = ["BACKEND_NAME", "TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_cache_factory"]
+__all__ = ["BACKEND_NAME", "TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_cache_factory",
+           "provenance_of"]
+
+#: the attribute of a tree node holding its NodeProvenance (absent: strictly exact)
+PROVENANCE_ATTR = "sglang_ext_provenance"
+
+
+def provenance_of(node: Any) -> NodeProvenance | None:
+    """A tree node's provenance, or None (strictly exact KV, and state if it holds one)."""
+    return getattr(node, PROVENANCE_ATTR, None)
+
+
+def _set_provenance(node: Any, prov: NodeProvenance | None) -> None:
+    if prov is not None and prov.kv is not None and not bool((prov.kv > 0).any()):
+        prov = NodeProvenance(None, prov.state)
+    if prov is None or (prov.kv is None and prov.state == 0.0):
+        if hasattr(node, PROVENANCE_ATTR):
+            delattr(node, PROVENANCE_ATTR)
+        return
+    setattr(node, PROVENANCE_ATTR, prov)
 
 
 def request_config(base: TailReplayConfig, req: Any) -> TailReplayConfig:
@@ -75,7 +100,7 @@ class TailReplayMambaComponent(MambaComponent):
 
     def finalize_match_result_in_cache(self, params, result):
         plan = plan_of(params.req) if params.req is not None else None
-        if plan is None or plan.kind is HitKind.EXACT_CHECKPOINT:
+        if plan is None or plan.from_checkpoint:
             return super().finalize_match_result_in_cache(params, result)
         if params.cow_mamba and params.req.kv.holds_mamba:
             params.req.kv.mamba_cow_src_index = None
@@ -83,12 +108,12 @@ class TailReplayMambaComponent(MambaComponent):
         return result
 
     def _stores_state(self, req: Any, token_ids_len: int) -> bool:
-        """Only exact states, and only where the tree can hold them: without the extra buffer
-        the state is the sequence-end state, and the key is cut to whole pages on insert."""
+        """States, exact or approximate (with their bound, see `commit_insert_component_data`),
+        where the tree can hold them: without the extra buffer the state is the sequence-end state,
+        and the key is cut to whole pages on insert."""
         record = record_for(self.config, req)
-        exact = record.plan is None or record.plan.state_is_exact
         lands_on_its_depth = self.cache.enable_mamba_extra_buffer or token_ids_len % self.cache.page_size == 0
-        return record.config.keep_checkpoints and exact and lands_on_its_depth
+        return record.config.keep_checkpoints and lands_on_its_depth
 
     def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> int:
         withheld = not self._stores_state(req, token_ids_len)
@@ -99,8 +124,69 @@ class TailReplayMambaComponent(MambaComponent):
         return token_ids_len
 
     def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
-        if params.mamba_value is not None:
+        """The new leaf's KV gets the inserting request's bounds at its positions; a state the
+        tree takes gets the request's bound at its depth. An existing state of a larger bound is
+        replaced by the request's (unless locked). May mutate: the node's provenance and state."""
+        record = self.cache.inserting_record()
+        depth = result.prefix_len + (len(node.key) if is_new_leaf else 0)
+        if is_new_leaf:
+            kv = bounds_of(record, result.prefix_len, depth)
+            _set_provenance(node, NodeProvenance(kv, 0.0))
+            record_stored_bound("kv", float(kv.max()) if kv.numel() else 0.0)
+        if params.mamba_value is None:
+            return
+        state_bound = float(bounds_of(record, depth - 1, depth)[0]) if depth > 0 else 0.0
+        cd = node.component_data[self.component_type]
+        old = provenance_of(node)
+        if not is_new_leaf and cd.value is not None and old is not None and old.state > state_bound \
+                and cd.lock_ref == 0 and not self.tree_core.enable_hicache:
+            self._free_mamba_value(cd.value)   # the tree's state was worse: take the request's
+            cd.value = params.mamba_value
+            self.tree_core.lru_lists[self.component_type].reset_node_mru(node)
+        else:
+            had_state = cd.value is not None
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+            if had_state:
+                return   # the tree keeps its own state (and its bound)
+        prov = provenance_of(node) or NodeProvenance()
+        _set_provenance(node, NodeProvenance(prov.kv, state_bound))
+        record_stored_bound("state", state_bound)
+
+    def redistribute_on_node_split(self, new_parent, child):
+        """Each half keeps its own tokens' bounds; the state (at the child's end) its bound."""
+        super().redistribute_on_node_split(new_parent, child)
+        prov = provenance_of(child)
+        if prov is not None:
+            head, rest = prov.split(len(new_parent.key))
+            _set_provenance(new_parent, head)
+            _set_provenance(child, rest)
+
+    def update_component_on_insert_overlap(self, node, prefix_len, total_prefix_len, value_slice, params,
+                                           result, cache_actions):
+        """Fresh KV of a smaller bound replaces an approximate node's: the node takes the request's
+        slots and its own are freed, where no request holds the node (else the request reads the
+        node's KV from now on, and carries its taint). Only over a node wholly past what the
+        request already shares with the tree. May mutate: the node's KV value and provenance, the
+        inserting request's floor."""
+        consumed = super().update_component_on_insert_overlap(
+            node, prefix_len, total_prefix_len, value_slice, params, result, cache_actions)
+        prov = provenance_of(node)
+        record = self.cache.inserting_record()
+        if prov is None or prov.kv is None or params.prev_prefix_len > total_prefix_len \
+                or total_prefix_len < computed_from(record):
+            return consumed
+        ours = bounds_of(record, total_prefix_len, total_prefix_len + prefix_len)
+        if not bool((ours < prov.kv[:prefix_len]).any()) or float(ours.max()) > prov.kv_max():
+            return consumed
+        full = node.component_data[ComponentType.FULL]
+        if full.lock_ref > 0 or self.tree_core.enable_hicache or prefix_len != len(node.key):
+            if record is not None:
+                record.floor = max(record.floor, provenance.TAINT)
+            return consumed
+        cache_actions.append(FreeDeviceKV([full.value]))
+        full.value = value_slice.clone()
+        _set_provenance(node, NodeProvenance(ours, prov.state))
+        return 0   # the request's slots are the node's now: none of them is a duplicate
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
         """State pressure frees states, never attention KV.
@@ -159,36 +245,69 @@ class TailReplayMambaComponent(MambaComponent):
 
 class TailReplayRadixCache(UnifiedRadixCache):
     tail_replay_config: TailReplayConfig = TailReplayConfig()
+    #: the record of the request whose `checkpoint_into_tree` is running (None: an insert without
+    #: a request, whose KV counts as exact)
+    _inserting: TailReplayRequest | None = None
+
+    def inserting_record(self) -> TailReplayRequest | None:
+        return self._inserting
 
     def _finalize_match_result(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
         if params.req is not None:
             result = self._apply_replay_plan(params.req, result)
         return super()._finalize_match_result(params, result)
 
-    def _deepest_state_on_path(self, node_id) -> tuple[int | None, int | None]:
-        """(node id, depth in tokens) of the deepest node on the path holding a device state."""
+    def _path(self, node_id) -> list[Any]:
+        """The matched path's nodes, root first (root excluded)."""
         core = self.tree_core
         node, root = core.node_by_id(node_id), core.root_node
         path = []
-        while node is not root:
+        while node is not root and node is not None:
             path.append(node)
             node = node.parent
-        depth = sum(len(n.key) for n in path)
-        for n in path:
-            if n.component_data[ComponentType.MAMBA].value is not None:
-                return n.id, depth
-            depth -= len(n.key)
-        return None, None
+        return path[::-1]
+
+    def path_provenance(self, node_id) -> PathProvenance:
+        """Provenance of the path from the root to `node_id` (its KV bounds and device states)."""
+        return provenance.path_provenance([
+            (len(n.key), provenance_of(n), n.component_data[ComponentType.MAMBA].value is not None, n.id)
+            for n in self._path(node_id)])
+
+    def _node_at_depth(self, node_id, depth: int) -> Any:
+        """The id of the path's node that ends at `depth` (page-aligned), splitting the node that
+        spans it; the root for 0."""
+        if depth == 0:
+            return self.tree_core.root_node.id
+        end = 0
+        for node in self._path(node_id):
+            end += len(node.key)
+            if end == depth:
+                return node.id
+            if end > depth:
+                head, _ = self.tree_core._split_node(node.key, node, len(node.key) - (end - depth))
+                return head.id
+        return node_id
 
     def _apply_replay_plan(self, req: Any, result: MatchResult) -> MatchResult:
         record = record_for(self.tail_replay_config, req)
         config = record.config
-        ckpt_id, ckpt_len = self._deepest_state_on_path(result.last_device_node)
-        plan = plan_replay(result.device_prefix_len, ckpt_len or None, self.page_size, config)
-        record.set_plan(plan)
-        record.kv_slots = self._tail_kv_slots(plan, config, result.last_device_node)
+        prov = self.path_provenance(result.last_device_node)
+        matched, last_node = result.device_prefix_len, result.last_device_node
+        if config.strict and prov.first_inexact < matched:   # read only strictly exact KV
+            matched = prov.first_inexact // self.page_size * self.page_size
+            last_node = self._node_at_depth(last_node, matched)
+            result = result._replace(device_prefix_len=matched, last_device_node=last_node,
+                                     last_host_node=last_node, best_match_node=last_node)
+        exact_state = prov.deepest_exact_state(config.threshold, config.strict)
+        approx_state = None if config.strict else prov.deepest_approximate_state(config.threshold)
+        plan = plan_replay(matched, exact_state.depth if exact_state else None, self.page_size, config,
+                           (approx_state.depth, approx_state.bound) if approx_state else None)
+        start_state = exact_state if plan.kind is HitKind.EXACT_CHECKPOINT else approx_state
+        record.set_plan(plan, *_carry(plan, start_state, prov, config.kv_mode))
+        record.kv_slots = self._tail_kv_slots(plan, config, last_node)
         own_tail.begin(record, plan, config.kv_mode)   # recompute: the request keeps its tail KV
-        if plan.kind is HitKind.EXACT_CHECKPOINT:
+        if plan.from_checkpoint:
+            ckpt_id = start_state.node_id
             return result._replace(device_prefix_len=plan.prefix_len, last_device_node=ckpt_id,
                                    last_host_node=ckpt_id, best_match_node=ckpt_id)
         if plan.kind is HitKind.MISS:
@@ -197,10 +316,15 @@ class TailReplayRadixCache(UnifiedRadixCache):
                                    last_host_node=root, best_match_node=root)
         return result._replace(device_prefix_len=plan.prefix_len)
 
-    # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py)
+    # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py); the
+    # insert reads the request's record for the provenance of what it inserts
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        with own_tail.claiming(self, req):
-            super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        self._inserting = record_of(req)
+        try:
+            with own_tail.claiming(self, req):
+                super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
+        finally:
+            self._inserting = None
 
     def insert(self, params):
         return own_tail.insert(self, params, super().insert)
@@ -210,7 +334,8 @@ class TailReplayRadixCache(UnifiedRadixCache):
         super().on_release(req, checkpointed=checkpointed)
 
     def _tail_kv_slots(self, plan: ReplayPlan, config: TailReplayConfig, last_node_id: Any) -> torch.Tensor | None:
-        """The tree's KV slots of [prefix_len, L), read off the matched path bottom-up (O(W))."""
+        """The tree's KV slots of [prefix_len, L), read off the matched path bottom-up (O(W));
+        `last_node_id` ends at depth L."""
         if config.kv_mode != "exact" or not plan.reuses_tail_kv:
             return None
         node, depth, chunks = self.tree_core.node_by_id(last_node_id), plan.matched_tokens, []
@@ -219,6 +344,22 @@ class TailReplayRadixCache(UnifiedRadixCache):
             depth -= len(node.key)
             node = node.parent
         return torch.cat(chunks[::-1])[plan.prefix_len - depth:].clone()
+
+
+def _carry(plan: ReplayPlan, start_state: Any, prov: PathProvenance, kv_mode: str) -> tuple[CarryBound | None, float]:
+    """(the carry, the read floor) a plan starts with: an approximate replay carries from its
+    replay start L - W with bound 1 (the dropped state), a checkpoint of bound > 0 from its depth
+    with its bound; reading KV of bound > 0 (or, in kv_mode "recompute", its own replayed tail's
+    KV) is a TAINT floor."""
+    reads = plan.matched_tokens if plan.reuses_tail_kv and kv_mode == "exact" else plan.prefix_len
+    floor = prov.read_floor(reads)
+    if plan.kind is HitKind.APPROXIMATE:
+        if kv_mode == "recompute" and plan.replayed_tokens:
+            floor = max(floor, provenance.TAINT)
+        return CarryBound(plan.prefix_len, 0.0, floor), floor
+    if plan.from_checkpoint and start_state is not None and start_state.bound > 0.0:
+        return CarryBound(plan.prefix_len, provenance.log_of_bound(start_state.bound), floor), floor
+    return None, floor
 
 
 def tail_replay_cache_factory(ctx: Any) -> UnifiedRadixCache:

@@ -31,6 +31,8 @@ from sglang_ext.tail_replay.decay_profile import (
 #: `--radix-cache-backend` name of Tail-Replay
 BACKEND_NAME = "tail_replay"
 KV_MODES = ("exact", "recompute")
+#: `exactness`: "approximate" (reuse approximately where that pays) or "exact" (only exact nodes)
+EXACTNESS = ("approximate", "exact")
 #: per-request overrides: `sampling_params.custom_params["tail_replay"] = {"budget": 0.1, ...}`
 REQUEST_PARAM_KEY = "tail_replay"
 #: `budget: "auto"`: the window certified by the model's decay profile (tail_replay/decay_profile.py)
@@ -64,6 +66,13 @@ class TailReplayConfig:
     decay_percentile: int = 90
     #: the decay profile file (default: decay.json in the model folder, found at start-up)
     decay_profile: str | None = None
+    #: "approximate": reuse every cached token, replaying approximately where no exact state is
+    #: near; "exact": reuse only strictly exact nodes and states (bound 0), recompute the rest
+    #: (SGLang's semantics: every output equals a server without cache)
+    exactness: str = "approximate"
+    #: a node or state whose bound (tail_replay/provenance.py) is at most this counts as exact
+    #: in the "approximate" mode (float noise of the linear state, relative); 0: only bound 0
+    exact_threshold: float = 1e-5
     #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
     profile: DecayProfile | None = field(default=None, compare=False, repr=False)
 
@@ -80,14 +89,28 @@ class TailReplayConfig:
                f"must be >= min_replay_tokens ({self.min_replay_tokens}), got {self.max_replay_tokens}")
         _check(self.min_match_tokens >= 0, "min_match_tokens", f"must be >= 0, got {self.min_match_tokens}")
         _check(self.kv_mode in KV_MODES, "kv_mode", f"must be one of {KV_MODES}, got {self.kv_mode!r}")
+        _check(self.exactness in EXACTNESS, "exactness", f"must be one of {EXACTNESS}, got {self.exactness!r}")
+        _check(0.0 <= self.exact_threshold < 1.0, "exact_threshold",
+               f"must be in [0, 1), got {self.exact_threshold}")
+
+    @property
+    def strict(self) -> bool:
+        """`exactness: "exact"`: only strictly exact nodes and states are reused."""
+        return self.exactness == "exact"
+
+    @property
+    def threshold(self) -> float:
+        """The bound up to which a node counts as exact for this config (0 in the exact mode)."""
+        return 0.0 if self.strict else self.exact_threshold
 
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "budget": (int, float, str), "min_replay_tokens": int, "max_replay_tokens": int,
     "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
-    "tolerance": (int, float), "decay_percentile": int, "decay_profile": str}
-#: keys a request may not set (a file path is the server's business)
-_SERVER_ONLY = ("decay_profile",)
+    "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
+    "exactness": str, "exact_threshold": (int, float)}
+#: keys a request may not set (a file path, and what counts as exact, are the server's business)
+_SERVER_ONLY = ("decay_profile", "exact_threshold")
 
 
 def _check(ok: bool, key: str, message: str) -> None:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import functools
 
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
-from sglang_ext.tail_replay.request import TailReplayRequest
+from sglang_ext.tail_replay.provenance import counts_exact
+from sglang_ext.tail_replay.request import TailReplayRequest, bounds_of
 from sglang_ext.tail_replay.state_bound import summarize
 
 #: key of the per-request summary in `meta_info["cached_tokens_details"]`
 META_KEY = "tail_replay"
 #: histogram buckets of the state bound (a relative error: 0 .. 1)
 STATE_BOUND_BUCKETS = (1e-9, 1e-6, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+#: buckets of stored bounds (0 = exact goes into the first)
+STORED_BOUND_BUCKETS = (0.0, 1e-30, 1e-9, 1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.1, 0.5, 1.0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,6 +42,13 @@ def _counters() -> dict:
             "sglang_ext:tail_replay_state_bound",
             "Approximate hits: bound on the replayed linear state's relative error, max over layers and "
             "heads of exp(sum of the replayed tail's log-decay)", buckets=STATE_BOUND_BUCKETS),
+        "requests": Counter("sglang_ext:tail_replay_requests",
+                            "Requests by outcome: exact (bound <= the exact threshold; 0 in the exact "
+                            "mode) or approximate", ["exact"]),
+        "stored": Histogram(
+            "sglang_ext:tail_replay_stored_bound",
+            "Bounds of what enters the tree: per new node its KV's largest bound (kind=kv), per stored "
+            "state its bound (kind=state); 0 is exact", ["kind"], buckets=STORED_BOUND_BUCKETS),
     }
 
 
@@ -72,20 +82,50 @@ def record_first_forward(record: TailReplayRequest) -> None:
         record_plan(record.plan)
 
 
+def record_stored_bound(kind: str, bound: float) -> None:
+    """A node (kind "kv") or state (kind "state") entered the tree with this bound. (A tree in a
+    process that published no parallel ranks, SGLang's cache unit-test kit, is no server: nothing
+    is recorded.)"""
+    try:
+        recording = _this_rank_records()
+    except RuntimeError:
+        return
+    if recording:
+        _counters()["stored"].labels(kind=kind).observe(bound)
+
+
+def output_bound(record: TailReplayRequest, prompt_len: int) -> float:
+    """The bound of the state the first output token was computed from (the last prompt
+    position's), as the tree would store it."""
+    return float(bounds_of(record, prompt_len - 1, prompt_len)[0]) if prompt_len > 0 else 0.0
+
+
 def plan_summary(plan: ReplayPlan) -> dict:
     """The plan's part of `meta_info.cached_tokens_details.tail_replay`."""
     return {"kind": plan.kind.value, "matched_tokens": plan.matched_tokens,
             "reused_tokens": plan.prefix_len, "replayed_tokens": plan.replayed_tokens}
 
 
-def replay_summary(record: TailReplayRequest) -> dict:
-    """`meta_info.cached_tokens_details.tail_replay` of a request with a plan: `plan_summary`, and
-    for an approximate hit `state_bound` / `state_bound_per_layer` (`state_bound.StateBound`; None
-    where the forward did not see the whole tail's gates). Call once its tail is replayed (at an
-    output): the bound is computed at the first call (one host sync), kept in the record, and goes
-    into the histogram once per request."""
+def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> dict:
+    """`meta_info.cached_tokens_details.tail_replay` of a request with a plan: `plan_summary`,
+    `exact` and `bound` (provenance of its output: the last prompt position's bound, and whether it
+    counts as exact under the request's exactness; given `prompt_len`), and for an approximate hit
+    `state_bound` / `state_bound_per_layer` (`state_bound.StateBound`; None where the forward did
+    not see the whole tail's gates). Call once its tail is replayed (at an output): the bounds are
+    computed at the first call (host syncs), kept in the record, and go into the metrics once per
+    request."""
     assert record.plan is not None
     summary = plan_summary(record.plan)
+    if prompt_len is not None:
+        if record.output_bound is None:
+            record.output_bound = output_bound(record, prompt_len)
+        exact = counts_exact(record.output_bound, record.config.threshold)
+        summary["exact"] = exact
+        summary["bound"] = record.output_bound
+        if not record.exactness_recorded:
+            record.exactness_recorded = True
+            if _this_rank_records():
+                _counters()["requests"].labels(exact=str(exact).lower()).inc()
     if record.plan.kind is not HitKind.APPROXIMATE:
         return summary
     if record.bound is None:

@@ -1,13 +1,22 @@
-"""Decide, from token counts alone, how a prefix hit of L tokens is reused (pure, deterministic).
+"""Decide, from token counts and bounds alone, how a prefix hit of L tokens is reused (pure,
+deterministic).
 
-Inputs: L (tokens whose attention KV is cached), C (depth of the deepest exact recurrent-state
-checkpoint on the matched path, if any), the page size, and the config. Output: a ReplayPlan.
+Inputs: L (tokens whose attention KV is cached and may be read: in `exactness: "exact"` only the
+strictly exact ones), C (depth of the deepest recurrent-state checkpoint on the matched path that
+counts as exact, if any), A (depth and bound of the deepest approximate checkpoint, if any), the
+page size, and the config. Output: a ReplayPlan.
 
-- EXACT_CHECKPOINT: L - C <= W: start from the checkpoint's state at C, recompute [C, L) exactly.
-- EXACT_REPLAY:     W >= L (in whole pages): replay all of [0, L) from the zero state, exact at 0.
-- APPROXIMATE:      replay the last W tokens [L - W, L) from a zero state; older tokens are dropped
-                    from the linear layers' state (their gates have mostly forgotten them).
-- MISS:             L < min_match_tokens (or L = 0) and no checkpoint: compute everything.
+- EXACT_CHECKPOINT:       L - C <= W: start from the checkpoint's state at C, recompute [C, L).
+- APPROXIMATE_CHECKPOINT: A deeper than C, L - A <= W, and A's bound no worse than a fresh
+                          replay's (the decay profile's d^W where the server has one, else any
+                          bound: a replay from zero may drop the whole state, bound 1): resume from
+                          the approximate state at A (a conversation's previous turn), recompute
+                          [A, L); its bound decays on. Never in the exact mode.
+- EXACT_REPLAY:           W >= L (in whole pages): replay all of [0, L) from the zero state.
+- APPROXIMATE:            replay the last W tokens [L - W, L) from a zero state; older tokens are
+                          dropped from the linear layers' state (their gates have mostly forgotten
+                          them). Never in the exact mode (there: C, else a miss).
+- MISS:                   L < min_match_tokens (or L = 0) and no checkpoint: compute everything.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ class HitKind(str, enum.Enum):
     EXACT_CHECKPOINT = "exact_checkpoint"
     EXACT_REPLAY = "exact_replay"
     APPROXIMATE = "approximate"
+    APPROXIMATE_CHECKPOINT = "approximate_checkpoint"
     MISS = "miss"
 
 
@@ -41,7 +51,14 @@ class ReplayPlan:
 
     @property
     def state_is_exact(self) -> bool:
-        return self.kind is not HitKind.APPROXIMATE
+        """Whether the request starts from a state that counts as exact (its own bound may still
+        be a checkpoint's float-noise bound, carried on)."""
+        return self.kind not in (HitKind.APPROXIMATE, HitKind.APPROXIMATE_CHECKPOINT)
+
+    @property
+    def from_checkpoint(self) -> bool:
+        """Whether the request's state is copied from a tree checkpoint at `prefix_len`."""
+        return self.kind in (HitKind.EXACT_CHECKPOINT, HitKind.APPROXIMATE_CHECKPOINT)
 
     @property
     def reuses_tail_kv(self) -> bool:
@@ -63,8 +80,17 @@ def replay_window(matched_len: int, config: TailReplayConfig) -> int:
     return min(max(wanted, config.min_replay_tokens), config.max_replay_tokens)
 
 
+def fresh_replay_bound(config: TailReplayConfig, window: int) -> float:
+    """What a fresh replay of `window` tokens is expected to bound: d^W for the decay profile's
+    slowest head at `decay_percentile`, or 1 (any bound) without a profile."""
+    if config.profile is None:
+        return 1.0
+    decay = config.profile.decay(config.decay_percentile)
+    return float(decay) ** window if decay < 1.0 else 1.0
+
+
 def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
-                config: TailReplayConfig) -> ReplayPlan:
+                config: TailReplayConfig, approximate_checkpoint: tuple[int, float] | None = None) -> ReplayPlan:
     window = replay_window(matched_len, config)
     if checkpoint_len is not None and matched_len - checkpoint_len <= window:
         return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
@@ -75,4 +101,13 @@ def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
     start = max(matched_len - window, 0) // page_size * page_size
     if start == 0:   # the window, cut to whole pages, reaches the first token: exact
         return ReplayPlan(HitKind.EXACT_REPLAY, matched_len, 0, 0)
+    if config.strict:   # no approximation: the exact checkpoint, recomputing the rest, or nothing
+        if checkpoint_len:
+            return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
+        return ReplayPlan(HitKind.MISS, matched_len, 0, 0)
+    if approximate_checkpoint is not None:
+        depth, bound = approximate_checkpoint
+        if (checkpoint_len or 0) < depth <= matched_len and matched_len - depth <= window \
+                and bound <= fresh_replay_bound(config, window):
+            return ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, matched_len, depth, depth)
     return ReplayPlan(HitKind.APPROXIMATE, matched_len, start, start)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.planner import ReplayPlan
+from sglang_ext.tail_replay.provenance import CarryBound, carried_bounds
 from sglang_ext.tail_replay.state_bound import StateBound, TailDecay
 
 if TYPE_CHECKING:
@@ -56,12 +57,25 @@ class TailReplayRequest:
     bound: StateBound | None = None
     #: whether the bound went into the histogram (once per request)
     bound_recorded: bool = False
+    #: provenance (tail_replay/provenance.py): the per-position bound of what the request computes
+    #: after an approximate start (a replay, or a checkpoint of bound > 0); None: its state is
+    #: strictly exact. Set at match, filled by the forward's gate hooks.
+    carry: CarryBound | None = None
+    #: 0, or TAINT when the request reads KV of bound > 0 (set at match)
+    floor: float = 0.0
+    #: whether the request's outcome (exact or not) went into the counters (once per request)
+    exactness_recorded: bool = False
+    #: the bound of the last prompt position (computed at the first output, `metrics.replay_summary`)
+    output_bound: float | None = None
 
-    def set_plan(self, plan: ReplayPlan) -> None:
-        """A (re-)match: the new plan, with the bound's accumulator emptied."""
+    def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0) -> None:
+        """A (re-)match: the new plan and provenance, with the bounds' accumulators emptied."""
         self.plan = plan
         self.tail_decay = TailDecay()
         self.bound = None
+        self.carry = carry
+        self.floor = floor
+        self.output_bound = None
 
 
 def record_of(req: Any) -> TailReplayRequest | None:
@@ -84,3 +98,22 @@ def plan_of(req: Any) -> ReplayPlan | None:
     """The request's plan, or None."""
     record = record_of(req)
     return None if record is None else record.plan
+
+
+def bounds_of(record: TailReplayRequest | None, start: int, end: int) -> torch.Tensor:
+    """Per position in [start, end) (float32, CPU): the bound of the KV (and state) the request
+    computed there (`provenance.carried_bounds`). No record: an insert without a request, exact."""
+    import torch
+
+    if record is None:
+        return torch.zeros(max(end - start, 0), dtype=torch.float32)
+    return carried_bounds(record.carry, start, end, record.floor)
+
+
+def computed_from(record: TailReplayRequest | None) -> int:
+    """The first position whose KV the request computed itself (an exact-KV replay copies the
+    tree's KV into its tail rows: those slots hold the tree's values, not fresher ones)."""
+    if record is None or record.plan is None:
+        return 0
+    plan = record.plan
+    return plan.matched_tokens if plan.reuses_tail_kv and record.config.kv_mode == "exact" else plan.prefix_len

@@ -157,7 +157,7 @@ def test_decode_tracked_checkpoint_is_exact(servers, references):
     follow_up = first_ids + first["output_ids"] + random_prompt(QUESTION, seed=31)
     second = ask(server, follow_up)
     assert details(second) == {"kind": "exact_checkpoint", "matched_tokens": 256,
-                               "reused_tokens": 256, "replayed_tokens": 0}
+                               "reused_tokens": 256, "replayed_tokens": 0, "exact": True, "bound": 0.0}
     assert_matches_reference(second, references("nemotron-h", follow_up))
 
 
@@ -168,7 +168,7 @@ def test_prefill_tracked_checkpoint_is_exact(servers, references):
     question = document + random_prompt(QUESTION, seed=41)
     result = ask(server, question)
     assert details(result) == {"kind": "exact_checkpoint", "matched_tokens": 192,
-                               "reused_tokens": 192, "replayed_tokens": 0}
+                               "reused_tokens": 192, "replayed_tokens": 0, "exact": True, "bound": 0.0}
     assert_matches_reference(result, references("nemotron-h", question))
 
 

@@ -77,8 +77,9 @@ def _details(result) -> dict:
 
 
 def _plan_details(result) -> dict:
-    """The plan's part of the summary (without the state bound)."""
-    return {k: v for k, v in _details(result).items() if not k.startswith("state_bound")}
+    """The plan's part of the summary (without the bounds and the exactness)."""
+    return {k: v for k, v in _details(result).items() if k in ("kind", "matched_tokens", "reused_tokens",
+                                                               "replayed_tokens")}
 
 
 def _warm_then_ask(server, document, question, overrides=None, **kwargs):
@@ -362,3 +363,63 @@ def test_bad_config_is_a_clear_start_up_error(tiny_model_factory, config, needle
                            "--tail-replay-config", config], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- provenance (exactness)
+
+
+def _summary(result) -> dict:
+    return _details(result)
+
+
+def test_exact_request_never_reads_an_approximate_requests_kv(servers, hf_qwen):
+    """An approximate request inserts the KV it computed past L (bound > 0). A later request with
+    `exactness: "exact"` that shares that prompt reuses only the strictly exact part (the shared
+    document, not the approximate request's question) and equals transformers' full prefill;
+    the approximate request's own summary says it was not exact. (Before provenance the exact
+    request reused the approximate KV as if exact.)"""
+    server = servers["qwen3-next"]
+    document, question = random_prompt(L, seed=80), random_prompt(3 * SUFFIX, seed=81)
+    approx = _warm_then_ask(server, document, question, {"keep_checkpoints": False})
+    assert _summary(approx)["kind"] == "approximate" and _summary(approx)["exact"] is False
+    assert 0 < _summary(approx)["bound"] <= _summary(approx)["state_bound"] <= 1
+    follow = document + question + random_prompt(8, seed=82)
+    exact = ask(server, follow, {"exactness": "exact", "keep_checkpoints": False})
+    summary = _summary(exact)
+    assert summary["matched_tokens"] <= L and summary["exact"] is True and summary["bound"] == 0.0
+    assert_matches_reference(exact, greedy_reference(hf_qwen, follow, 6))
+    # the default mode reuses the approximate KV (it reads KV as it is) and says how far it may be
+    default = ask(server, follow, {"keep_checkpoints": False})
+    assert _summary(default)["matched_tokens"] > L
+
+
+def test_a_conversation_pays_its_replay_once(servers):
+    """Turn 1 is an approximate hit; its end state is stored with its bound. Turns 2 and 3 resume
+    from the previous turn's end state (nothing replayed) and report a bound that decays."""
+    server = servers["qwen3-next"]
+    document = random_prompt(L, seed=90)
+    turn = _warm_then_ask(server, document, random_prompt(SUFFIX, seed=91))
+    assert _summary(turn)["kind"] == "approximate"
+    history, bounds = document + random_prompt(SUFFIX, seed=91) + turn["output_ids"], [_summary(turn)["bound"]]
+    for i in range(2):
+        prompt = history + random_prompt(24, seed=92 + i)
+        turn = ask(server, prompt)
+        summary = _summary(turn)
+        assert summary["kind"] in ("approximate_checkpoint", "exact_checkpoint"), summary
+        assert summary["replayed_tokens"] <= 1 and summary["reused_tokens"] >= len(history) - 1
+        bounds.append(summary["bound"])
+        history = prompt + turn["output_ids"]
+    print("bounds by turn:", bounds)
+    assert bounds[0] > bounds[1] > bounds[2] > 0
+
+
+def test_exactness_metrics(servers):
+    server = servers["qwen3-next"]
+    before = requests.get(f"{server.url}/metrics", timeout=30).text
+    _warm_then_ask(server, random_prompt(L, seed=95), random_prompt(SUFFIX, seed=96), {"keep_checkpoints": False})
+    after = requests.get(f"{server.url}/metrics", timeout=30).text
+    name = "sglang_ext:tail_replay_requests_total"
+    assert metric_total(after, name, 'exact="false"') - metric_total(before, name, 'exact="false"') == 1
+    assert metric_total(after, name, 'exact="true"') - metric_total(before, name, 'exact="true"') == 1   # warm-up
+    stored = "sglang_ext:tail_replay_stored_bound_count"
+    assert metric_total(after, stored, 'kind="kv"') > metric_total(before, stored, 'kind="kv"')

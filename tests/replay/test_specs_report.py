@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from eval.replay.report import hit_kinds, markdown_table, percentile, summarize
+from eval.replay.report import (
+    compare_to_baseline,
+    comparison_table,
+    exact_split,
+    hit_kinds,
+    markdown_table,
+    percentile,
+    same_outputs,
+    summarize,
+)
 from eval.replay.servers import ServerSpecError, parse_server_spec, parse_server_specs
 
 
@@ -98,3 +107,25 @@ def test_cli_refuses_a_busy_machine_without_allow_busy(tmp_path, capsys, monkeyp
     monkeypatch.setattr(cli, "sample_load", lambda **kw: busy)
     assert cli.main(["--out", str(tmp_path / "o"), "--load-sample-s", "0.1"]) == 2
     assert "--allow-busy" in capsys.readouterr().err
+
+
+def _served(cached, kind=None, exact=None, ttft=0.1, out=(1, 2)):
+    details = None if kind is None else {"kind": kind, "matched_tokens": cached, "replayed_tokens": 0,
+                                         **({} if exact is None else {"exact": exact})}
+    return {"ok": True, "cached_tokens": cached, "tail_replay": details, "ttft_s": ttft, "output_ids": list(out),
+            "prompt_tokens": 10}
+
+
+def test_per_request_comparison_with_the_baseline_and_the_reference():
+    stock = [_served(0), _served(8, ttft=0.05), _served(6, ttft=0.07), _served(5, ttft=0.06)]
+    ours = [_served(9, "approximate", False, out=(1, 3)), _served(8, "exact_checkpoint", True, ttft=0.04),
+            _served(4, "approximate", False, ttft=0.09), _served(7, "approximate_checkpoint", True, ttft=0.05)]
+    c = compare_to_baseline(ours, stock)
+    # stock hit requests 1-3; ours reused fewer on request 2 and served it approximately
+    assert c["baseline_hits"] == 3 and c["reuse_below_baseline"] == 1 and c["exact_hits_lost"] == 1
+    assert c["ttft_p50_on_baseline_hits"] == pytest.approx(0.05) and c["baseline_ttft_p50_on_its_hits"] == 0.06
+    assert exact_split(ours) == {"exact": 2, "approximate": 2} and exact_split(stock) == {"exact": 4, "approximate": 0}
+    assert same_outputs(ours, stock) == 0.75
+    row = {"server": "tr", "requests": 4, "replayed_tokens": 8, "vs_baseline": c, "same_output": 0.75}
+    table = comparison_table([row], "stock-eb", "nocache")
+    assert "| tr | 3 | 1 | 1 | 0.050 / 0.060 | 2.0 | 75.0 % |" in table

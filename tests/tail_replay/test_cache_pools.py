@@ -33,9 +33,14 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
-from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache  # noqa: E402
+from sglang_ext.tail_replay.cache import (  # noqa: E402
+    TailReplayMambaComponent,
+    TailReplayRadixCache,
+    provenance_of,
+)
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
+from sglang_ext.tail_replay.provenance import UNKNOWN  # noqa: E402
 from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
 from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
@@ -181,31 +186,40 @@ def test_shared_prefix_reuses_l_minus_w_with_the_tree_tail_kv(page):
     h.assert_no_leak()
 
     h.finish(req)
-    # the approximate state was not stored; the attention KV was, in full
-    assert h.state_nodes() == {40: 1}
-    assert h.cache.mamba_evictable_size() == 1 and h.pool.mamba_allocator.available_size() == h.mamba_total - 1
+    # the attention KV was stored in full; the approximate end state too, in the request's slot 2,
+    # with its bound: no forward ran here (the gates were never seen), so the bound is UNKNOWN (1),
+    # and so is every position the request computed past L; the shared path stays exact
     assert h.depth(req.last_node) == 40 and len(h.tree_kv()) == 40 + 40 - matched
-    assert h.cache.tree_core.node_by_id(req.last_node).component_data[MAMBA].value is None
+    leaf = h.cache.tree_core.node_by_id(req.last_node)
+    assert int(leaf.component_data[MAMBA].value.item()) == 2
+    assert provenance_of(leaf).state == UNKNOWN
+    assert provenance_of(leaf).kv.tolist() == [UNKNOWN] * (40 - matched) and len(leaf.key) == 40 - matched
+    assert provenance_of(leaf.parent) is None and provenance_of(h.cache.tree_core.node_by_id(first.last_node)) is None
+    assert h.cache.mamba_evictable_size() == 2 and h.pool.mamba_allocator.available_size() == h.mamba_total - 2
     assert first.last_node != req.last_node
     h.assert_no_leak()
 
 
 @pytest.mark.parametrize("page", PAGE_SIZES)
-def test_approximate_request_publishes_no_state_at_a_chunk_boundary(page):
+def test_approximate_request_publishes_its_state_with_its_bound_at_a_chunk_boundary(page):
     h = Harness(page)
     h.run(A)
     req = h.admit(A[:36] + seq(6000, 12))       # 48 tokens, L = 36, W = 4 -> approximate
     assert plan_of(req).kind is HitKind.APPROXIMATE
     free_states = h.pool.mamba_allocator.available_size()
     h.chunk_checkpoint(req)
-    # KV published up to the chunk end, but no state: no slot was taken for a copy
+    # KV and a copy of the state (a fresh slot) published up to the chunk end, both approximate
     assert h.depth(req.last_node) == 48
-    assert h.pool.mamba_allocator.available_size() == free_states
-    assert h.state_nodes() == {40: 1}
+    assert h.pool.mamba_allocator.available_size() == free_states - 1
+    assert h.state_nodes() == {40: 1, 48: 3}
+    leaf = h.cache.tree_core.node_by_id(req.last_node)
+    assert provenance_of(leaf).state == UNKNOWN and provenance_of(leaf).kv.tolist() == [UNKNOWN] * 12
     h.assert_no_leak()
     h.finish(req, output=[7, 8, 9])
-    assert h.state_nodes() == {40: 1}
     assert h.depth(req.last_node) == floor_page(51, page)
+    end = h.cache.tree_core.node_by_id(req.last_node)
+    assert provenance_of(end).kv.tolist() == [UNKNOWN] * len(end.key)
+    assert (48 in h.state_nodes()) and (page > 1 or h.state_nodes()[51] == 2)
     h.assert_no_leak()
 
 

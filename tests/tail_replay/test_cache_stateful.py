@@ -8,9 +8,17 @@ After every step: no leaked KV slot or state slot (free + tree-held + request-he
 slot exactly once), the tree's evictable + protected sizes add up to what it holds and the
 protected size is what the locks cover (SGLang's own `sanity_check` passes too), and every
 locked path still holds the same KV slots, whoever evicted; evicting states alone (state-pool
-pressure) never frees attention KV. At every insert: states of
-approximate requests never enter the tree, a stored state sits at the depth it was computed at,
-and with keep_checkpoints=False the tree never holds a state.
+pressure) never frees attention KV. At every insert: a stored state sits at the depth it was
+computed at, and with keep_checkpoints=False the tree never holds a state.
+
+Provenance: each admitted request's forward is simulated by random per-token log-decays fed to its
+record as the gate hooks feed them (tail sums and carried rows), and every KV slot's content is
+tracked (the bound of the computation that wrote it; a replayed tail's slots hold copies of the
+tree's). After every step, through splits, eviction, copy-on-write, state-only eviction and
+swaps: no tree node claims a smaller bound than its slots' content (and a node that claims 0
+holds only exact KV), and node provenance covers exactly the node's tokens. At admission: an
+`exactness: "exact"` plan reads only nodes and states of bound 0; an exact checkpoint in the
+default mode has a bound within the threshold.
 
 `--hypothesis-show-statistics` prints how often each plan kind and eviction occurred.
 """
@@ -50,11 +58,12 @@ from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E40
 from sglang_ext.tail_replay.cache import (  # noqa: E402
     TailReplayMambaComponent,
     TailReplayRadixCache,
+    provenance_of,
     request_config,
 )
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind  # noqa: E402
-from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
+from sglang_ext.tail_replay.request import bounds_of, computed_from, plan_of, record_of  # noqa: E402
 from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
@@ -73,7 +82,10 @@ prompts = st.builds(
 )
 #: per-request `custom_params["tail_replay"]` overrides
 overrides = st.sampled_from([None, None, {"keep_checkpoints": False}, {"budget": 0.5},
-                             {"min_match_tokens": 0, "min_replay_tokens": 0}])
+                             {"min_match_tokens": 0, "min_replay_tokens": 0}, {"exactness": "exact"},
+                             {"exactness": "exact", "budget": 0.5}])
+#: the simulated linear layer and its heads
+LAYER, HEADS = 0, 2
 
 
 def build_cache(page_size: int, config: TailReplayConfig):
@@ -101,6 +113,8 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         self.extra_locks: list[tuple[int, object, list[int]]] = []
         self.rid = 0
         self.history: list[list[int]] = []  # token ids of finished requests, for follow-ups
+        self.content: dict[int, float] = {}  # KV slot -> the bound of the computation that wrote it
+        self.state_content: dict[int, float] = {}  # state slot -> its true bound (from the simulated gates)
         for tokens in seeds:  # start from a populated tree
             self.serve(tokens, None, [])
 
@@ -113,7 +127,65 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
                    sampling_params=SamplingParams(temperature=0, max_new_tokens=16, custom_params=custom))
 
     def keeps_state(self, req: Req) -> bool:
-        return plan_of(req).state_is_exact and request_config(self.config, req).keep_checkpoints
+        return request_config(self.config, req).keep_checkpoints
+
+    def simulate_forward(self, req: Req, tokens: list[int]) -> None:
+        """What the gate hooks give the record in a real forward: the replayed tail's log-decay
+        sums and the carried rows' log-decays (random per token, one layer of HEADS heads; the
+        carried rows of a replay include its tail, drawn apart here)."""
+        record = record_of(req)
+        plan = record.plan
+        gen = torch.Generator().manual_seed(self.rid)
+        decays = -0.6 * torch.rand(len(tokens) - req.prefix_len, HEADS, generator=gen)
+        if plan.kind is HitKind.APPROXIMATE and plan.replayed_tokens:
+            record.tail_decay.add(LAYER, decays[:plan.replayed_tokens].sum(0), plan.replayed_tokens)
+        if record.carry is not None:
+            assert record.carry.start == req.prefix_len
+            record.carry.add_rows(LAYER, req.prefix_len, decays)
+        # the truth, computed apart: the state's bound after each computed token, from its start
+        if plan.kind is HitKind.APPROXIMATE:
+            base = 1.0
+        elif plan.from_checkpoint:
+            base = self.state_content.get(int(req.kv.mamba_cow_src_index), 0.0)
+        else:
+            base = 0.0
+        req.true_start = req.prefix_len
+        req.true_state = [0.0 if base == 0.0 else min(1.0, base * float(v.exp()))
+                          for v in decays.double().cumsum(0).max(dim=1).values]
+
+    def true_state_bound(self, req: Req, depth: int) -> float:
+        """The state's bound after `depth` tokens (decode tokens: the last prompt token's, an
+        upper bound: bounds never grow)."""
+        start = req.true_start   # the prefix length at admission (SGLang moves req.prefix_len on insert)
+        assert depth > start, f"a state at depth {depth} stored by a request that computed from {start}"
+        return req.true_state[min(depth - start, len(req.true_state)) - 1]
+
+    def record_new_states(self, req: Req, before: dict[int, int]) -> None:
+        for slot, depth in self.state_depths().items():
+            if slot not in before or before[slot] != depth:
+                self.state_content[slot] = self.true_state_bound(req, depth)
+
+    def check_reads(self, req: Req) -> None:
+        """An exact-mode plan reads only nodes and states of bound 0; a default-mode exact
+        checkpoint's state is within the threshold."""
+        config, plan = request_config(self.config, req), plan_of(req)
+        reads = computed_from(record_of(req))
+        depth = 0
+        for node in self.cache._path(req.last_node):
+            prov = provenance_of(node)
+            if config.strict and prov is not None and prov.kv is not None:
+                assert float(prov.kv[:max(reads - depth, 0)].max(initial=0.0)) == 0.0, \
+                    f"an exact-mode {plan.kind.value} reads KV of bound {prov.kv.max()}"
+            depth += len(node.key)
+        if plan.from_checkpoint:
+            ckpt = self.cache.tree_core.node_by_id(req.last_node)
+            bound = 0.0 if provenance_of(ckpt) is None else provenance_of(ckpt).state
+            if config.strict:
+                assert bound == 0.0
+            elif plan.kind is HitKind.EXACT_CHECKPOINT:
+                assert bound <= config.threshold
+            else:
+                assert bound > config.threshold
 
     def ensure_kv(self, need: int) -> bool:
         short = need - self.alloc.available_size()
@@ -138,7 +210,9 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         slot = int(req.kv.mamba_pool_idx)
         seqlen = req.kv.kv_committed_len
         req.finished_reason = FINISH_LENGTH(length=len(req.output_ids)) if finish else FINISH_ABORT()
+        before = self.state_depths()
         release_kv_cache(req, self.cache, checkpoint=finish)
+        self.record_new_states(req, before)
         self.running.remove(req)
         if finish and len(self.history) < 8:
             self.history.append(list(req.origin_input_ids) + list(req.output_ids))
@@ -183,7 +257,10 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         assert req.prefix_len == plan.prefix_len <= plan.matched_tokens < len(tokens)
         assert plan.matched_tokens % self.page_size == 0
         req.lock = self.cache.lock(req.last_node)
-        if plan.kind is HitKind.EXACT_CHECKPOINT:
+        if request_config(self.config, req).strict:
+            assert plan.kind not in (HitKind.APPROXIMATE, HitKind.APPROXIMATE_CHECKPOINT)
+        self.check_reads(req)
+        if plan.from_checkpoint:
             assert req.kv.holds_mamba and req.kv.mamba_cow_src_index is not None
         else:
             assert not req.kv.holds_mamba and req.kv.mamba_cow_src_index is None
@@ -210,6 +287,17 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         else:
             assert record_of(req).kv_slots is None
         new = self.alloc.alloc(need)
+        self.simulate_forward(req, tokens)
+        record = record_of(req)
+        fresh_from = max(computed_from(record), req.prefix_len)
+        fresh = bounds_of(record, fresh_from, len(tokens)).tolist()
+        copies = record.kv_slots.tolist()[req.prefix_len - plan.prefix_len:] if record.kv_slots is not None else []
+        for i, slot in enumerate(new.tolist()):
+            position = req.prefix_len + i
+            if position < fresh_from:   # a replayed tail's row: a copy of the tree's KV (exact KV mode)
+                self.content[slot] = self.content.get(copies[position - req.prefix_len], 0.0) if copies else 0.0
+            else:
+                self.content[slot] = fresh[position - fresh_from]
         row = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
         self.pool.write((req.kv.req_pool_idx, slice(0, len(tokens))), row.to(torch.int32))
         req.kv.kv_committed_len = req.kv.kv_allocated_len = len(tokens)
@@ -228,6 +316,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             return
         slot = self.alloc.alloc(1)
         n = req.kv.kv_committed_len
+        self.content[int(slot)] = float(bounds_of(record_of(req), n, n + 1)[0])
         req.output_ids.append(token)
         self.pool.write((req.kv.req_pool_idx, slice(n, n + 1)), slot.to(torch.int32))
         req.kv.kv_committed_len = req.kv.kv_allocated_len = n + 1
@@ -237,9 +326,11 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
     def chunk_checkpoint(self, data):
         """Chunked prefill publishes [0, extend_end) of a running (prefilling) request."""
         req = data.draw(st.sampled_from([r for r in self.running if not r.output_ids]))
-        before = set(self.state_depths())
+        before_depths = self.state_depths()
+        before = set(before_depths)
         exact = self.keeps_state(req)
         checkpoint_kv_cache(req, self.cache)
+        self.record_new_states(req, before_depths)
         req.pinned_path = self.path(req.last_node)  # the lock moved to the inserted node
         added = set(self.state_depths()) - before
         if not exact:
@@ -323,6 +414,34 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             assert result.num_tokens_evicted == 0 and len(self.cache.all_values_flatten()) == tree_kv
 
     # ---------------------------------------------------------------- invariants
+
+    @invariant()
+    def provenance_never_claims_more_exactness_than_the_content(self):
+        if not hasattr(self, "cache"):
+            return
+        for node, _ in self.nodes():
+            prov = provenance_of(node)
+            slots = node.component_data[FULL].value.tolist()
+            claimed = [0.0] * len(slots) if prov is None or prov.kv is None else prov.kv.tolist()
+            assert len(claimed) == len(slots) == len(node.key), "provenance does not cover the node's tokens"
+            for slot, bound in zip(slots, claimed):
+                content = self.content.get(slot, 0.0)
+                assert bound >= content * (1 - 1e-6), f"node {node.id} claims {bound} for KV of bound {content}"
+                assert bound > 0.0 or content == 0.0
+
+    @invariant()
+    def stored_states_never_claim_more_exactness_than_they_have(self):
+        if not hasattr(self, "cache"):
+            return
+        for node, depth in self.nodes():
+            value = node.component_data[MAMBA].value
+            if value is None:
+                continue
+            prov = provenance_of(node)
+            claimed = 0.0 if prov is None else prov.state
+            truth = self.state_content.get(int(value.item()), 0.0)
+            assert claimed >= truth * (1 - 1e-5), f"the state at depth {depth} claims {claimed}, its bound is {truth}"
+            assert claimed > 0.0 or truth == 0.0
 
     @invariant()
     def no_leak_and_sizes_add_up(self):

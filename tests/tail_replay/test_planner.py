@@ -160,7 +160,11 @@ def test_at_min_match_is_approximate():
 def test_replay_plan_properties_per_kind():
     assert ReplayPlan(HitKind.MISS, 20, 0, 0).replayed_tokens == 0
     assert ReplayPlan(HitKind.EXACT_REPLAY, 20, 0, 0).replayed_tokens == 20
-    assert [k.value for k in HitKind] == ["exact_checkpoint", "exact_replay", "approximate", "miss"]
+    assert [k.value for k in HitKind] == ["exact_checkpoint", "exact_replay", "approximate",
+                                          "approximate_checkpoint", "miss"]
+    assert ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 20, 12, 12).replayed_tokens == 8
+    assert not ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 20, 12, 12).state_is_exact
+    assert ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 20, 12, 12).from_checkpoint
 
 
 # ---------------------------------------------------------------- config parsing

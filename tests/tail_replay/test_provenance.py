@@ -1,0 +1,142 @@
+"""Provenance core (pure): the carried bound's arithmetic, node splits, the path summary, and the
+planner's use of it (exact mode, approximate checkpoints)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError, config_from_dict, with_overrides
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
+from sglang_ext.tail_replay.provenance import (
+    TAINT,
+    UNKNOWN,
+    CarryBound,
+    NodeProvenance,
+    carried_bounds,
+    carry_segments,
+    counts_exact,
+    path_provenance,
+)
+
+CFG = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8)
+
+
+def test_carried_bound_is_the_product_of_decays_per_head_max_over_heads_and_layers():
+    # a replay from position 10 (bound 1 there), two layers, two heads
+    carry = CarryBound(start=10)
+    carry.add_rows(0, 10, torch.tensor([[-1.0, -0.2]] * 3))
+    carry.add_rows(1, 10, torch.tensor([[-0.1, -0.3]] * 3))
+    bounds = carried_bounds(carry, 10, 13, 0.0)
+    # after t tokens: max(exp(-0.2 t), exp(-0.1 t)) = exp(-0.1 t)
+    torch.testing.assert_close(bounds, torch.tensor([math.exp(-0.1 * t) for t in (1, 2, 3)], dtype=torch.float32))
+    assert carry.complete()
+
+
+def test_chunks_continue_the_running_sum_and_decode_keeps_the_last_rows_bound():
+    carry = CarryBound(start=0, base_log=math.log(0.5))   # a checkpoint of bound 0.5
+    carry.add_rows(0, 0, torch.full((2, 1), -1.0))
+    carry.add_rows(0, 2, torch.full((2, 1), -1.0))        # the next prefill chunk
+    bounds = carried_bounds(carry, 0, 6, 0.0)             # positions 4, 5: decode tokens
+    expected = [0.5 * math.exp(-t) for t in (1, 2, 3, 4, 4, 4)]
+    torch.testing.assert_close(bounds, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_an_unseen_chunk_carries_the_last_seen_bound_and_later_chunks_keep_their_positions():
+    carry = CarryBound(start=0)
+    carry.add_rows(0, 0, torch.full((2, 1), -1.0))
+    carry.add_rows(0, 4, torch.full((2, 1), -1.0))        # rows 2, 3 ran unseen (a CUDA graph)
+    bounds = carried_bounds(carry, 0, 6, 0.0).tolist()
+    # the later chunk's sum misses the unseen decays: larger than the truth, never smaller
+    assert bounds == pytest.approx([math.exp(-1), math.exp(-2), math.exp(-2), math.exp(-2),
+                                    math.exp(-3), math.exp(-4)], rel=1e-6)
+    assert carried_bounds(CarryBound(start=0, base_log=math.log(0.25)), 0, 2, 0.0).tolist() == [0.25, 0.25]
+
+
+def test_positions_before_the_carry_get_the_floor_and_an_incomplete_carry_is_unknown():
+    carry = CarryBound(start=3, floor=TAINT)
+    assert carried_bounds(carry, 0, 3, TAINT).tolist() == [TAINT] * 3
+    assert carried_bounds(carry, 0, 5, TAINT).tolist() == [TAINT] * 3 + [UNKNOWN] * 2   # no rows seen: the start
+    assert carried_bounds(None, 0, 2, 0.0).tolist() == [0.0, 0.0]
+    # a layer that missed rows (an unhooked layer kind): the max over layers is unknown
+    carry = CarryBound(start=0)
+    carry.add_rows(0, 0, torch.full((3, 2), -1.0))
+    carry.add_rows(1, 0, torch.full((2, 2), -1.0))
+    assert not carry.complete()
+    assert carried_bounds(carry, 0, 3, 0.0).tolist() == [UNKNOWN] * 3
+
+
+def test_a_carried_position_is_never_strictly_exact_even_when_its_bound_underflows():
+    carry = CarryBound(start=0)
+    carry.add_rows(0, 0, torch.full((3, 1), -200.0))
+    bounds = carried_bounds(carry, 0, 3, 0.0)
+    assert (bounds > 0).all() and bool((bounds <= 1e-30).all())
+    assert counts_exact(float(bounds[-1]), 1e-5) and not counts_exact(float(bounds[-1]), 0.0)
+
+
+def test_carry_segments_index_the_rows_of_each_request_after_its_start():
+    a, b = CarryBound(start=12), CarryBound(start=0)
+    segments = carry_segments([a, None, b], prefix_lens=[10, 0, 4], extend_lens=[5, 3, 2])
+    assert segments.rows.tolist() == [2, 3, 4, 8, 9] and segments.end == 10
+    assert [p[1:] for p in segments.parts] == [(12, 0, 3), (4, 3, 2)]
+    segments.accumulate(0, torch.full((5, 2), -1.0))
+    assert [c[0] for c in a.chunks] == [12] and a.tokens == {0: 3} and b.tokens == {0: 2}
+    assert carry_segments([None, CarryBound(start=50)], [0, 0], [4, 4]) is None
+
+
+def test_node_split_keeps_each_halfs_tokens_and_the_state_with_the_rest():
+    prov = NodeProvenance(torch.tensor([0.5, 0.4, 0.3, 0.2]), state=0.1)
+    head, rest = prov.split(1)
+    assert head.kv.tolist() == pytest.approx([0.5]) and head.state == 0.0
+    assert rest.kv.tolist() == pytest.approx([0.4, 0.3, 0.2]) and rest.state == 0.1
+
+
+def test_path_provenance_finds_the_first_inexact_token_and_states_deepest_first():
+    path = [(4, None, True, "a"),                                     # exact, state at 4
+            (3, NodeProvenance(torch.tensor([0.0, 0.2, 0.1]), 0.05), True, "b"),   # state at 7
+            (2, NodeProvenance(None, 1e-7), True, "c")]               # exact KV, state at 9
+    prov = path_provenance(path)
+    assert prov.matched == 9 and prov.first_inexact == 5
+    assert [s.depth for s in prov.states] == [9, 7, 4]
+    assert prov.deepest_exact_state(1e-5, strict=False).node_id == "c"
+    assert prov.deepest_exact_state(1e-5, strict=True).node_id == "a"   # 9 and 7 are past an inexact token
+    assert prov.deepest_approximate_state(1e-5).node_id == "b"
+    assert prov.read_floor(5) == 0.0 and prov.read_floor(6) == TAINT
+
+
+def test_an_exact_replay_is_preferred_to_an_approximate_checkpoint():
+    whole = dataclasses.replace(CFG, budget=1.0, max_replay_tokens=4096)
+    assert plan_replay(300, None, 1, whole, (280, 0.3)).kind is HitKind.EXACT_REPLAY
+
+
+def test_planner_resumes_from_an_approximate_checkpoint_within_the_window():
+    # L = 500, W = 50: an approximate state at 480 (the previous turn's end) is resumed from
+    assert plan_replay(500, None, 1, CFG, (480, 0.3)) == ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 500, 480, 480)
+    # outside the window: a fresh replay
+    assert plan_replay(500, None, 1, CFG, (400, 0.3)).kind is HitKind.APPROXIMATE
+    # an exact checkpoint within the window wins, and so does a deeper-or-equal exact one
+    assert plan_replay(500, 470, 1, CFG, (480, 0.3)).kind is HitKind.EXACT_CHECKPOINT
+    assert plan_replay(500, 490, 1, CFG, (480, 0.3)).kind is HitKind.EXACT_CHECKPOINT
+
+
+def test_exact_mode_never_plans_an_approximation():
+    strict = dataclasses.replace(CFG, exactness="exact")
+    assert plan_replay(500, None, 1, strict, (480, 0.3)) == ReplayPlan(HitKind.MISS, 500, 0, 0)
+    assert plan_replay(500, 100, 1, strict) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 500, 100, 100)
+    assert plan_replay(500, 460, 1, strict).kind is HitKind.EXACT_CHECKPOINT
+    assert plan_replay(30, None, 1, dataclasses.replace(strict, budget=1.0)).kind is HitKind.EXACT_REPLAY   # W >= L
+
+
+def test_exactness_keys_are_validated_and_the_threshold_is_the_servers():
+    assert config_from_dict({"exactness": "exact"}).threshold == 0.0
+    assert config_from_dict({"exact_threshold": 1e-3}).threshold == 1e-3
+    with pytest.raises(TailReplayConfigError, match="'exactness': must be one of"):
+        config_from_dict({"exactness": "maybe"})
+    with pytest.raises(TailReplayConfigError, match="'exact_threshold': must be in"):
+        config_from_dict({"exact_threshold": 2})
+    with pytest.raises(TailReplayConfigError, match="'exact_threshold': is a server setting"):
+        with_overrides(CFG, {"exact_threshold": 0.5})
+    assert with_overrides(CFG, {"exactness": "exact"}).strict
