@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=600, help="replay the first N requests in time order")
     p.add_argument("--sessions", type=int, default=48,
                    help="kv-cache-tester: conversations loaded (the first N files), interleaved by arrival time")
+    p.add_argument("--skip-sessions", type=int, default=0,
+                   help="kv-cache-tester: leave out the first N conversations (files in name order), e.g. to replay "
+                        "sessions held out from the ones the defaults use")
     p.add_argument("--session-gap-s", type=float, default=KvLoadOptions.arrival_gap_s,
                    help="kv-cache-tester: mean gap between conversation starts (seeded Poisson)")
     p.add_argument("--tokens-per-block", type=int, default=None,
@@ -117,8 +120,11 @@ def load_trace(args) -> tuple[dict, list[ScaledRequest]]:
         sessions_loaded = None
     else:
         trace = load_kv_cache_tester(path, KvLoadOptions(arrival_gap_s=args.session_gap_s,
-                                                         limit_files=args.sessions))
-        sessions_loaded = min(args.sessions, len(list(path.glob("trace_*.json.gz"))))
+                                                         limit_files=args.sessions, skip_files=args.skip_sessions))
+        available = len(list(path.glob("trace_*.json.gz"))) - args.skip_sessions
+        if available < 1:
+            raise ReplayError(f"--skip-sessions {args.skip_sessions}: {path} has no conversation after those")
+        sessions_loaded = min(args.sessions, available)
     scaled = scale_trace(trace, tokens_per_block, args.requests, seed=args.seed)
     if not scaled:
         raise ReplayError(f"--trace {args.trace}: no request with at least one block")
@@ -271,6 +277,8 @@ def run(args) -> dict:
     for flag in ("requests", "concurrency", "new_tokens", "max_total_tokens", "max_mamba_cache_size", "sessions"):
         if getattr(args, flag) < 1:
             raise ReplayError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.skip_sessions < 0:
+        raise ReplayError(f"--skip-sessions must be >= 0, got {args.skip_sessions}")
     specs = parse_server_specs(args.servers)
     args.out.mkdir(parents=True, exist_ok=True)
     start_load = sample_load(seconds=args.load_sample_s)

@@ -59,6 +59,7 @@ class KvLoadOptions:
     seed: int = 0
     cache_outputs: bool = True  # SGLang caches generated tokens at request finish
     limit_files: int | None = None
+    skip_files: int = 0  # conversations (files, in name order) left out before the first one loaded
 
 
 def kv_trace_files(root: Path) -> list[Path]:
@@ -69,7 +70,8 @@ def kv_trace_files(root: Path) -> list[Path]:
 
 
 def load_kv_cache_tester(root: Path, options: KvLoadOptions = KvLoadOptions()) -> Trace:
-    files = kv_trace_files(root)[: options.limit_files]
+    files = kv_trace_files(root)[options.skip_files:]
+    files = files[: options.limit_files]
     rng = np.random.default_rng(options.seed)
     starts = np.cumsum(rng.exponential(options.arrival_gap_s, size=len(files)))
     table, requests = BlockTable(), []

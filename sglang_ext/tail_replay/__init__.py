@@ -7,8 +7,10 @@ is loaded on first use of the names that need it).
 Modules: `config` (every user-facing knob, the server's config read once), `planner` (pure: how a
 hit of L tokens is reused), `request` (the typed per-request record on SGLang's `Req`), `startup`
 (config against server flags), `metrics` (Prometheus counters, meta_info summary), `state_bound`
-(pure: each approximate replay's error bound from its tail's gates), `cache` (the
-SGLang adapter: `--radix-cache-backend tail_replay`), `own_tail` (kv_mode "recompute").
+(pure: each approximate replay's error bound from its tail's gates), `provenance` (pure: the bound
+every cached token and state carries, and how a request carries its own forward), `audit` (pure:
+the live quality audit's sampling decision, divergence and store of served distributions), `cache`
+(the SGLang adapter: `--radix-cache-backend tail_replay`), `own_tail` (kv_mode "recompute").
 
 A request's route (SGLang 0.5.23), seam by seam:
 
@@ -19,8 +21,10 @@ A request's route (SGLang 0.5.23), seam by seam:
    `custom_params["tail_replay"]` with `request_overrides` against the server's refusals
    (`request_limits`): a bad one is that request's HTTP 400.
 2. planner. Scheduler, prefix match: `cache.TailReplayRadixCache._finalize_match_result` attaches
-   the request's record (`attach`: its config resolved once, `request_overrides`), plans the hit
-   (`plan_replay`: exact checkpoint, exact replay, approximate, miss), stores the plan and, for
+   the request's record (`attach`: its config resolved once, `request_overrides`), reads the
+   path's provenance (`path_provenance`: in the exact mode the match is cut where the KV stops
+   being strictly exact), plans the hit (`plan_replay`: exact checkpoint, exact replay,
+   approximate checkpoint, approximate, miss), sets the request's carry and read floor, stores the plan and, for
    `kv_mode` "exact", the tree's KV slots of the replayed tail in the record, and sets SGLang's
    prefix length; `TailReplayMambaComponent` lets the match run as deep as the attention KV.
    (`patches/tail_replay_sizing.py` and `patches/tail_replay_pages.py` size the state pool and
@@ -39,15 +43,34 @@ A request's route (SGLang 0.5.23), seam by seam:
    its histogram once) into `meta_info.cached_tokens_details.tail_replay`; `/metrics` serves the
    counters of step 3 and the histogram.
 5. cache. `TailReplayMambaComponent.prepare_for_caching_req` / `cleanup_after_caching_req` keep
-   states of approximate replays (and all states with `keep_checkpoints: false`) out of the tree
-   (record `state_withheld`); with `kv_mode` "recompute" `own_tail` keeps the request's
-   recomputed tail KV its own (record `own_end`, `own_kv`) until `on_release` frees it.
+   every state out of the tree with `keep_checkpoints: false` (record `state_withheld`);
+   `commit_insert_component_data` gives new nodes and stored states the request's bounds
+   (`bounds_of`), `redistribute_on_node_split` splits them, `update_component_on_insert_overlap`
+   lets fresher KV replace an approximate node's; with `kv_mode` "recompute" `own_tail` keeps the
+   request's recomputed tail KV its own (record `own_end`, `own_kv`) until `on_release` frees it.
+6. audit (off unless `audit_rate` > 0 or a request's `audit: true`). `patches/tail_replay_audit.py`:
+   in the scheduler (`capture_pre_sample_logits`, the forward's raw logits) the first output of an
+   audited request (`audit_trigger`) is kept (`PendingAudits`, record `audit`, meta_info `audit`);
+   in the tokenizer process (`_handle_batch_output`) its finish sends the same prompt as an exact
+   reference run (`reference_overrides`: `audit_of`), whose first output is compared with it
+   (`divergence`), recorded (`record_audit`) and logged.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sglang_ext.tail_replay.audit import (
+    AuditResult,
+    Divergence,
+    PendingAudits,
+    ServedAnswer,
+    audit_trigger,
+    divergence,
+    log_probs,
+    prompt_key,
+    reference_overrides,
+)
 from sglang_ext.tail_replay.config import (
     AUTO,
     BACKEND_NAME,
@@ -68,10 +91,13 @@ from sglang_ext.tail_replay.config import (
 from sglang_ext.tail_replay.metrics import (
     META_KEY,
     is_recording_rank,
+    output_provenance,
     plan_summary,
+    record_audit,
     record_bound,
     record_first_forward,
     record_plan,
+    records_here,
     replay_summary,
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
@@ -104,7 +130,9 @@ __all__ = [
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
     "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",
     "META_KEY", "is_recording_rank", "plan_summary", "record_bound", "record_first_forward", "record_plan",
-    "replay_summary",
+    "replay_summary", "output_provenance", "record_audit", "records_here",
+    "AuditResult", "Divergence", "PendingAudits", "ServedAnswer", "audit_trigger", "divergence", "log_probs",
+    "prompt_key", "reference_overrides",
     "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
     "ServerFacts", "StartupError", "check_start", "facts_from_server_args", "request_limits",
     *_FROM_CACHE,

@@ -95,8 +95,20 @@ class TailReplayMambaComponent(MambaComponent):
         return lambda node: True
 
     def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
-        # SGLang's in-prefill checkpoint placement assumes the match ends at a state.
-        return result._replace(mamba_branching_seqlen=None)
+        """SGLang's branch-point checkpoint (extra_buffer): the request tracks its state at the end
+        of the KV match (on the checkpoint grid) when no state sits that deep, so the next request
+        that branches there resumes from a state, as on stock SGLang (whose match ends at the
+        deepest state; here it runs as deep as the KV). The state is stored with the request's
+        bound there (exact, or approximate)."""
+        aligned = result.full_kv_hit_length // self.mamba_checkpoint_grid * self.mamba_checkpoint_grid
+        node, depth, state_depth = result.last_device_node, result.device_prefix_len, 0   # a node here, not an id
+        while node is not None and node is not self.tree_core.root_node:
+            if node.component_data[self.component_type].value is not None:
+                state_depth = depth
+                break
+            depth -= len(node.key)
+            node = node.parent
+        return result._replace(mamba_branching_seqlen=aligned if aligned > state_depth else None)
 
     def finalize_match_result_in_cache(self, params, result):
         plan = plan_of(params.req) if params.req is not None else None

@@ -73,6 +73,15 @@ class TailReplayConfig:
     #: a node or state whose bound (tail_replay/provenance.py) is at most this counts as exact
     #: in the "approximate" mode (float noise of the linear state, relative); 0: only bound 0
     exact_threshold: float = 1e-5
+    #: live quality audit (tail_replay/audit.py): the share of approximate answers (provenance not
+    #: exact) re-run as an exact prefill in the background, whose next-token distribution is compared
+    #: with the served one; 0: off (server setting only)
+    audit_rate: float = 0.0
+    #: audit this request whatever it was (exact or not); per request only
+    audit: bool = False
+    #: set by the server on its own audit re-runs: the rid of the request this one is the reference
+    #: for (never audited itself); per request only
+    audit_of: str | None = None
     #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
     profile: DecayProfile | None = field(default=None, compare=False, repr=False)
 
@@ -92,6 +101,7 @@ class TailReplayConfig:
         _check(self.exactness in EXACTNESS, "exactness", f"must be one of {EXACTNESS}, got {self.exactness!r}")
         _check(0.0 <= self.exact_threshold < 1.0, "exact_threshold",
                f"must be in [0, 1), got {self.exact_threshold}")
+        _check(0.0 <= self.audit_rate <= 1.0, "audit_rate", f"must be in [0, 1], got {self.audit_rate}")
 
     @property
     def strict(self) -> bool:
@@ -108,9 +118,13 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "budget": (int, float, str), "min_replay_tokens": int, "max_replay_tokens": int,
     "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
     "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
-    "exactness": str, "exact_threshold": (int, float)}
-#: keys a request may not set (a file path, and what counts as exact, are the server's business)
-_SERVER_ONLY = ("decay_profile", "exact_threshold")
+    "exactness": str, "exact_threshold": (int, float), "audit_rate": (int, float), "audit": bool,
+    "audit_of": str}
+#: keys a request may not set (a file path, what counts as exact, and how much of its traffic is
+#: audited are the server's business)
+_SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate")
+#: keys only a request sets (what happens to one request)
+_REQUEST_ONLY = ("audit", "audit_of")
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -142,13 +156,17 @@ def _with_profile(config: TailReplayConfig) -> TailReplayConfig:
 
 
 def config_from_dict(raw: dict) -> TailReplayConfig:
+    """The server's config from its JSON object."""
     _check_fields(raw)
+    for key in _REQUEST_ONLY:
+        _check(key not in raw, key, "is a per-request key; a server config cannot set it")
     return _with_profile(TailReplayConfig(**raw))
 
 
 def user_settings(config: TailReplayConfig) -> dict:
-    """The config's keys and values as a user writes them (no derived fields)."""
-    return {name: getattr(config, name) for name in _TYPES}
+    """The config's server keys and values as a user writes them (no derived fields, no per-request
+    keys)."""
+    return {name: getattr(config, name) for name in _TYPES if name not in _REQUEST_ONLY}
 
 
 def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfig:

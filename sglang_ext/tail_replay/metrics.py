@@ -7,12 +7,17 @@ Under tensor / context / pipeline parallelism every rank of a model replica runs
 so the counters are recorded only on the replica's first rank (attention-TP rank 0, attention-CP
 rank 0, PP rank 0), as SGLang gates its own scheduler statistics on `attn_tp_rank == 0 and
 attn_cp_rank == 0`; the counters carry no rank label, so each request is counted once per
-replica (each DP replica serves its own requests). The meta_info summary is unaffected."""
+replica (each DP replica serves its own requests). The meta_info summary is unaffected.
+
+The live quality audit (`audit`) records one observation per audit, when the reference's next-token
+distribution meets the served one's (scheduler, reference's forward); an audit's reference run is
+not traffic: it goes into none of the request counters above."""
 
 from __future__ import annotations
 
 import functools
 
+from sglang_ext.tail_replay.audit import Divergence
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.provenance import counts_exact
 from sglang_ext.tail_replay.request import TailReplayRequest, bounds_of
@@ -24,6 +29,10 @@ META_KEY = "tail_replay"
 STATE_BOUND_BUCKETS = (1e-9, 1e-6, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 #: buckets of stored bounds (0 = exact goes into the first)
 STORED_BOUND_BUCKETS = (0.0, 1e-30, 1e-9, 1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.1, 0.5, 1.0)
+#: buckets of an audit's KL(reference || served) in nats (0 = equal distributions goes into the first)
+AUDIT_KL_BUCKETS = (0.0, 1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+#: buckets of an audit's total variation distance (0 .. 1)
+AUDIT_TV_BUCKETS = (0.0, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,12 +58,30 @@ def _counters() -> dict:
             "sglang_ext:tail_replay_stored_bound",
             "Bounds of what enters the tree: per new node its KV's largest bound (kind=kv), per stored "
             "state its bound (kind=state); 0 is exact", ["kind"], buckets=STORED_BOUND_BUCKETS),
+        "audit_kl": Histogram(
+            "sglang_ext:tail_replay_audit_kl",
+            "Live quality audit: KL(exact reference || served) of the next-token distribution at the first "
+            "output, in nats, by trigger (sampled: audit_rate's share of approximate answers; forced: "
+            "audit true)", ["trigger"], buckets=AUDIT_KL_BUCKETS),
+        "audit_tv": Histogram(
+            "sglang_ext:tail_replay_audit_tv",
+            "Live quality audit: total variation distance between the exact reference's and the served "
+            "next-token distribution at the first output, by trigger", ["trigger"], buckets=AUDIT_TV_BUCKETS),
+        "audits": Counter(
+            "sglang_ext:tail_replay_audits",
+            "Live quality audits recorded, by trigger and by whether the served and the exact reference's "
+            "next-token distributions put the same token first", ["trigger", "top1_agree"]),
     }
 
 
 def is_recording_rank(attn_tp_rank: int, attn_cp_rank: int = 0, pp_rank: int = 0) -> bool:
     """Whether a scheduler with these ranks records the counters (pure)."""
     return attn_tp_rank == 0 and attn_cp_rank == 0 and pp_rank == 0
+
+
+def records_here() -> bool:
+    """Whether this scheduler process is its replica's recording rank (`is_recording_rank`)."""
+    return _this_rank_records()
 
 
 def _this_rank_records() -> bool:
@@ -79,7 +106,8 @@ def record_first_forward(record: TailReplayRequest) -> None:
     re-matched request is not counted again)."""
     if record.plan is not None and not record.recorded:
         record.recorded = True
-        record_plan(record.plan)
+        if record.config.audit_of is None:   # an audit's reference run is not traffic
+            record_plan(record.plan)
 
 
 def record_stored_bound(kind: str, bound: float) -> None:
@@ -100,6 +128,14 @@ def output_bound(record: TailReplayRequest, prompt_len: int) -> float:
     return float(bounds_of(record, prompt_len - 1, prompt_len)[0]) if prompt_len > 0 else 0.0
 
 
+def output_provenance(record: TailReplayRequest, prompt_len: int) -> tuple[float, bool]:
+    """(bound, exact) of the request's output: the last prompt position's bound (computed once,
+    kept in the record) and whether it counts as exact under the request's exactness."""
+    if record.output_bound is None:
+        record.output_bound = output_bound(record, prompt_len)
+    return record.output_bound, counts_exact(record.output_bound, record.config.threshold)
+
+
 def plan_summary(plan: ReplayPlan) -> dict:
     """The plan's part of `meta_info.cached_tokens_details.tail_replay`."""
     return {"kind": plan.kind.value, "matched_tokens": plan.matched_tokens,
@@ -111,21 +147,22 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
     `exact` and `bound` (provenance of its output: the last prompt position's bound, and whether it
     counts as exact under the request's exactness; given `prompt_len`), and for an approximate hit
     `state_bound` / `state_bound_per_layer` (`state_bound.StateBound`; None where the forward did
-    not see the whole tail's gates). Call once its tail is replayed (at an output): the bounds are
-    computed at the first call (host syncs), kept in the record, and go into the metrics once per
-    request."""
+    not see the whole tail's gates), and for an audited request `audit` (why: "forced" or
+    "sampled"; the tokenizer process then sends its reference run). Call once its tail is replayed
+    (at an output): the bounds are computed at the first call (host syncs), kept in the record, and
+    go into the metrics once per request."""
     assert record.plan is not None
     summary = plan_summary(record.plan)
     if prompt_len is not None:
-        if record.output_bound is None:
-            record.output_bound = output_bound(record, prompt_len)
-        exact = counts_exact(record.output_bound, record.config.threshold)
+        answer_bound, exact = output_provenance(record, prompt_len)
         summary["exact"] = exact
-        summary["bound"] = record.output_bound
+        summary["bound"] = answer_bound
         if not record.exactness_recorded:
             record.exactness_recorded = True
-            if _this_rank_records():
+            if record.config.audit_of is None and _this_rank_records():
                 _counters()["requests"].labels(exact=str(exact).lower()).inc()
+    if record.audit is not None:
+        summary["audit"] = record.audit
     if record.plan.kind is not HitKind.APPROXIMATE:
         return summary
     if record.bound is None:
@@ -142,3 +179,12 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
 def record_bound(state_bound: float) -> None:
     if _this_rank_records():
         _counters()["state_bound"].observe(state_bound)
+
+
+def record_audit(trigger: str, divergence: Divergence) -> None:
+    """One audit's divergence into the audit metrics (the recording rank only)."""
+    if _this_rank_records():
+        counters = _counters()
+        counters["audit_kl"].labels(trigger=trigger).observe(divergence.kl)
+        counters["audit_tv"].labels(trigger=trigger).observe(divergence.tv)
+        counters["audits"].labels(trigger=trigger, top1_agree=str(divergence.top1_agree).lower()).inc()

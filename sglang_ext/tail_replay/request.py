@@ -9,8 +9,9 @@ Life of a record (scheduler process):
   resolved once (server config + `custom_params["tail_replay"]`); a re-match (after retraction)
   keeps the record and its config, and replaces the plan and the tail's slots;
 - read by the forward (`patches/tail_replay_batch.py`: tail rows and slots, metrics at the first
-  forward; the gate hooks add the tail's log-decay to `tail_decay`), the output (`patches/tail_replay_meta.py`) and the cache (`tail_replay.cache`,
-  `tail_replay.own_tail`).
+  forward; the gate hooks add the tail's log-decay to `tail_decay`; the audit seam,
+  `patches/tail_replay_audit.py`, at the first output's logits), the output
+  (`patches/tail_replay_meta.py`) and the cache (`tail_replay.cache`, `tail_replay.own_tail`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ class TailReplayRequest:
     exactness_recorded: bool = False
     #: the bound of the last prompt position (computed at the first output, `metrics.replay_summary`)
     output_bound: float | None = None
+    #: live quality audit (tail_replay/audit.py): whether the decision was made (once, at the forward
+    #: that gives the first output, `patches/tail_replay_audit.py`), and why the request is audited
+    #: ("forced" / "sampled"; None: not audited), set once its served distribution is kept
+    audit_decided: bool = False
+    audit: str | None = None
 
     def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0) -> None:
         """A (re-)match: the new plan and provenance, with the bounds' accumulators emptied."""

@@ -218,8 +218,9 @@ def test_bad_env_config_on_the_plain_sglang_path_is_one_clear_error(tiny_model_f
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "'bugdet'" in line]
     assert errors == ["sglang_ext: error: tail-replay config key 'bugdet': unknown key; known keys: "
-                      "['budget', 'decay_percentile', 'decay_profile', 'keep_checkpoints', 'kv_mode', "
-                      "'max_replay_tokens', 'min_match_tokens', 'min_replay_tokens', 'tolerance']"]
+                      "['audit', 'audit_of', 'audit_rate', 'budget', 'decay_percentile', 'decay_profile', "
+                      "'exact_threshold', 'exactness', 'keep_checkpoints', 'kv_mode', 'max_replay_tokens', "
+                      "'min_match_tokens', 'min_replay_tokens', 'tolerance']"]
     assert "Traceback" not in proc.stderr
 
 

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,6 +33,8 @@ OVERRIDES = {
 PURE_CONFIG = {**SERVER_CONFIG, "keep_checkpoints": False}
 PURE_SLOTS = 4
 PAGE = 16   # the paged server's --page-size
+#: the paged server also audits every approximate answer (the live quality audit's sampled path)
+PAGED_CONFIG = {**SERVER_CONFIG, "audit_rate": 1.0}
 
 
 def _server_args(config: dict) -> list[str]:
@@ -50,7 +53,7 @@ def servers(tiny_model_factory, tmp_path_factory):
                                          log_path=logs / "nemotron-h.log"),
              "qwen3-next-paged": ServerProcess(
                  str(tiny_model_factory("qwen3-next")),
-                 [*_server_args(SERVER_CONFIG), "--page-size", str(PAGE), "--mamba-radix-cache-strategy", "no_buffer"],
+                 [*_server_args(PAGED_CONFIG), "--page-size", str(PAGE), "--mamba-radix-cache-strategy", "no_buffer"],
                  log_path=logs / "qwen3-next-paged.log")}
     start_servers(list(procs.values()))
     try:
@@ -342,6 +345,8 @@ def test_concurrent_clients_with_overlapping_prefixes(servers):
     ({"budget": 2}, "'budget': must be in [0, 1]"),
     ({"window": 3}, "'window': unknown key"),
     ({"kv_mode": 1}, "'kv_mode': has the wrong type"),
+    ({"audit": "yes"}, "'audit': has the wrong type"),
+    ({"audit_rate": 0.5}, "'audit_rate': is a server setting"),
 ])
 def test_bad_request_override_is_that_requests_error(servers, overrides, needle):
     server = servers["qwen3-next"]
@@ -356,6 +361,8 @@ def test_bad_request_override_is_that_requests_error(servers, overrides, needle)
     ('{"min_replay_tokens": 64, "max_replay_tokens": 8}', "'max_replay_tokens': must be >= min_replay_tokens"),
     ('{"bugdet": 0.1}', "'bugdet': unknown key"),
     ('{"kv_mode": "fast"}', "'kv_mode': must be one of"),
+    ('{"audit_rate": 1.5}', "'audit_rate': must be in [0, 1]"),
+    ('{"audit": true}', "'audit': is a per-request key"),
 ])
 def test_bad_config_is_a_clear_start_up_error(tiny_model_factory, config, needle):
     proc = subprocess.run([sys.executable, "-m", "sglang_ext", "serve", "--model-path",
@@ -423,3 +430,100 @@ def test_exactness_metrics(servers):
     assert metric_total(after, name, 'exact="true"') - metric_total(before, name, 'exact="true"') == 1   # warm-up
     stored = "sglang_ext:tail_replay_stored_bound_count"
     assert metric_total(after, stored, 'kind="kv"') > metric_total(before, stored, 'kind="kv"')
+
+
+# ---------------------------------------------------------------- live quality audit
+
+AUDIT_KL = "sglang_ext:tail_replay_audit_kl"
+AUDIT_LINE = re.compile(r"Tail-Replay audit: rid=(?P<rid>\S+) trigger=(?P<trigger>\w+) kind=(?P<kind>\w+) "
+                        r"bound=(?P<bound>\S+) exact=(?P<exact>\w+) kl=(?P<kl>\S+) tv=(?P<tv>\S+) "
+                        r"top1_agree=(?P<top1_agree>\w+)")
+
+
+def _metrics(server) -> str:
+    return requests.get(f"{server.url}/metrics", timeout=30).text
+
+
+def _audit_of(server, result, timeout_s: float = 60.0) -> dict:
+    """The served request's audit log line, parsed (waits for its reference run to finish)."""
+    rid = result["meta_info"]["id"]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [m.groupdict() for m in AUDIT_LINE.finditer(server.log_text()) if m["rid"] == rid]
+        if found:
+            assert len(found) == 1, found   # one audit per audited request
+            return found[0]
+        assert time.monotonic() < deadline, f"no audit of {rid} logged within {timeout_s} s"
+        time.sleep(0.5)
+
+
+def _delta(before: str, after: str, name: str, labels: str = "") -> float:
+    return metric_total(after, name, labels) - metric_total(before, name, labels)
+
+
+def _pools_clean(server) -> None:
+    requests.get(f"{server.url}/health_generate", timeout=60).raise_for_status()
+    assert not re.search(r"leak|Traceback|audit failed|reference run .* failed", server.log_text(), re.I)
+
+
+def test_forced_audit_of_an_approximate_hit_records_a_divergence(servers):
+    """`audit: true` on a known approximate hit: its exact reference run (sent by the server itself)
+    differs from it, KL > 0 in /metrics and in the log line, which names its kind and bound; the
+    reference run is not counted as traffic and leaves the pools clean."""
+    server = servers["qwen3-next"]
+    before = _metrics(server)
+    result = _warm_then_ask(server, random_prompt(L, seed=100), random_prompt(SUFFIX, seed=101),
+                            {"audit": True, "keep_checkpoints": False}, new_tokens=1)
+    summary = _summary(result)
+    assert summary["kind"] == "approximate" and summary["exact"] is False and summary["audit"] == "forced"
+    audit = _audit_of(server, result)
+    after = _metrics(server)
+    print("audit of an approximate hit:", audit)
+    assert audit["trigger"] == "forced" and audit["kind"] == "approximate" and audit["exact"] == "false"
+    assert float(audit["bound"]) == pytest.approx(summary["bound"], rel=1e-3)
+    assert float(audit["kl"]) > 0 and float(audit["tv"]) > 0
+    forced = 'trigger="forced"'
+    assert _delta(before, after, f"{AUDIT_KL}_count", forced) == 1
+    assert _delta(before, after, f"{AUDIT_KL}_sum", forced) == pytest.approx(float(audit["kl"]), rel=1e-2)
+    assert _delta(before, after, "sglang_ext:tail_replay_audits_total",
+                  f'top1_agree="{audit["top1_agree"]}"') == 1
+    # the warm-up and the question; the reference run is not traffic
+    assert _delta(before, after, "sglang_ext:tail_replay_requests_total") == 2
+    _pools_clean(server)
+
+
+def test_forced_audit_of_an_exact_request_records_zero(servers):
+    server = servers["qwen3-next"]
+    before = _metrics(server)
+    result = ask(server, random_prompt(L, seed=102) + random_prompt(SUFFIX, seed=103),
+                 {"audit": True, "exactness": "exact"}, new_tokens=1)
+    summary = _summary(result)
+    assert summary["exact"] is True and summary["bound"] == 0.0 and summary["audit"] == "forced"
+    audit = _audit_of(server, result)
+    after = _metrics(server)
+    assert audit["trigger"] == "forced" and audit["exact"] == "true" and audit["top1_agree"] == "true"
+    assert float(audit["kl"]) <= 1e-6
+    forced = 'trigger="forced"'
+    assert _delta(before, after, f"{AUDIT_KL}_count", forced) == 1
+    assert abs(_delta(before, after, f"{AUDIT_KL}_sum", forced)) <= 1e-6
+    assert _delta(before, after, "sglang_ext:tail_replay_audits_total", 'top1_agree="true"') == 1
+    _pools_clean(server)
+
+
+def test_audit_rate_samples_approximate_answers_only(servers):
+    """The paged server runs `audit_rate: 1`: its approximate answer is audited ("sampled"), and
+    the exact warm-up before it is not."""
+    server = servers["qwen3-next-paged"]
+    before = _metrics(server)
+    result = _warm_then_ask(server, random_prompt(L, seed=104), random_prompt(SUFFIX, seed=105),
+                            {"keep_checkpoints": False}, new_tokens=1)
+    summary = _summary(result)
+    assert summary["kind"] == "approximate" and summary["exact"] is False and summary["audit"] == "sampled"
+    audit = _audit_of(server, result)
+    after = _metrics(server)
+    assert audit["trigger"] == "sampled" and float(audit["kl"]) > 0
+    assert _delta(before, after, f"{AUDIT_KL}_count", 'trigger="sampled"') >= 1
+    assert _delta(before, after, f"{AUDIT_KL}_count", 'trigger="forced"') == 0
+    exact = ask(server, random_prompt(L, seed=106), new_tokens=1)   # a miss: exact, never sampled
+    assert _summary(exact)["exact"] is True and "audit" not in _summary(exact)
+    _pools_clean(server)
