@@ -147,8 +147,8 @@ def markdown_table(rows: Sequence[dict]) -> str:
 
 def comparison_table(rows: Sequence[dict], baseline: str | None, reference: str | None) -> str:
     """Per-request comparison against the baseline server and output equality with the reference."""
-    lines = [f"| server | baseline ({baseline}) hits | reused fewer tokens | exact hits lost | TTFT p50 on those "
-             f"(server / baseline) s | replayed tokens per request | same output as {reference} |",
+    lines = [f"| server | baseline ({baseline or '-'}) hits | reused fewer tokens | exact hits lost | TTFT p50 on "
+             f"those (server / baseline) s | replayed tokens per request | same output as {reference or '-'} |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         c = r.get("vs_baseline") or {}
