@@ -368,9 +368,9 @@ def _carry(plan: ReplayPlan, start_state: Any, prov: PathProvenance, kv_mode: st
     if plan.kind is HitKind.APPROXIMATE:
         if kv_mode == "recompute" and plan.replayed_tokens:
             floor = max(floor, provenance.TAINT)
-        return CarryBound(plan.prefix_len, 0.0, floor), floor
+        return CarryBound(plan.prefix_len, 0.0), floor
     if plan.from_checkpoint and start_state is not None and start_state.bound > 0.0:
-        return CarryBound(plan.prefix_len, provenance.log_of_bound(start_state.bound), floor), floor
+        return CarryBound(plan.prefix_len, provenance.log_of_bound(start_state.bound)), floor
     return None, floor
 
 

@@ -141,12 +141,11 @@ class CarryBound:
     start: first position carried (L - W for an approximate replay: the replayed tail is carried
     too, so a state stored inside it gets its partial bound; C for a resume from a checkpoint of
     bound > 0); base_log: the log-bound at `start` for every head (0 for a replay: the whole state
-    was dropped; a checkpoint's stored bound); floor: the request's read floor (0 or TAINT).
-    Mutated only by `add_rows`."""
+    was dropped; a checkpoint's stored bound). The request's read floor (0 or TAINT) lives on its
+    record (`TailReplayRequest.floor`), which an insert may raise. Mutated only by `add_rows`."""
 
     start: int
     base_log: float = 0.0
-    floor: float = 0.0
     #: per layer: running log-sum [heads] (fp32) since `start` (without the base)
     sums: dict[int, torch.Tensor] = field(default_factory=dict)
     #: per layer: rows seen

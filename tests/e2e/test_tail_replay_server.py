@@ -347,6 +347,8 @@ def test_concurrent_clients_with_overlapping_prefixes(servers):
     ({"kv_mode": 1}, "'kv_mode': has the wrong type"),
     ({"audit": "yes"}, "'audit': has the wrong type"),
     ({"audit_rate": 0.5}, "'audit_rate': is a server setting"),
+    ({"exactness": "maybe"}, "'exactness': must be one of"),
+    ({"exact_threshold": 0.5}, "'exact_threshold': is a server setting"),
 ])
 def test_bad_request_override_is_that_requests_error(servers, overrides, needle):
     server = servers["qwen3-next"]

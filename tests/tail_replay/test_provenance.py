@@ -57,7 +57,7 @@ def test_an_unseen_chunk_carries_the_last_seen_bound_and_later_chunks_keep_their
 
 
 def test_positions_before_the_carry_get_the_floor_and_an_incomplete_carry_is_unknown():
-    carry = CarryBound(start=3, floor=TAINT)
+    carry = CarryBound(start=3)
     assert carried_bounds(carry, 0, 3, TAINT).tolist() == [TAINT] * 3
     assert carried_bounds(carry, 0, 5, TAINT).tolist() == [TAINT] * 3 + [UNKNOWN] * 2   # no rows seen: the start
     assert carried_bounds(None, 0, 2, 0.0).tolist() == [0.0, 0.0]
