@@ -91,10 +91,16 @@ def timed_generate(server: ServerProcess, ids: list[int], spans: list[list[int]]
             "e2e_latency": meta.get("e2e_latency")}
 
 
-def check_hit(rec: dict, k: int, chunk_tokens: int, question: int, epic_k: int = 0) -> list[str]:
-    heads = k * min(epic_k, chunk_tokens)
-    want = {"chunks_hit": k, "chunks_missed": 0, "reused_tokens": k * chunk_tokens - heads,
-            "recomputed_tokens": question + heads}
+def check_hit(rec: dict, k: int, chunk_tokens: int, question: int, epic_k: int = 0,
+              state: str = "predecessor") -> list[str]:
+    """The hit's linearkv summary is the server plan's for k chunks (EPIC heads and `replay`
+    tails recomputed, the rest reused)."""
+    from sglang_ext.linearkv.serving import ChunkPlan, state_rule
+
+    rule, replay = state_rule(state)
+    plan = ChunkPlan(tuple((j * chunk_tokens, (j + 1) * chunk_tokens) for j in range(k)), rule, epic_k, replay)
+    want = {"chunks_hit": k, "chunks_missed": 0, "reused_tokens": plan.chunk_tokens - plan.recomputed_chunk_tokens,
+            "recomputed_tokens": question + plan.recomputed_chunk_tokens}
     got = {key: (rec.get("linearkv") or {}).get(key) for key in want}
     return [] if got == want else [f"L={rec['L']} rep={rec['rep']}: expected linearkv {want}, got {rec.get('linearkv')}"]
 
@@ -235,9 +241,9 @@ def run(args) -> int:
                 for name, ids, spans in (pair if rep % 2 == 0 else pair[::-1]):
                     rec = measure(name, ids, spans, rep)
                     if name in ("linearkv", "first_sight"):
-                        problems += check_hit(rec, k, args.chunk_tokens, args.question_tokens, k_epic)
+                        problems += check_hit(rec, k, args.chunk_tokens, args.question_tokens, k_epic, args.state)
                     elif name == "linearkv_none":
-                        problems += check_hit(rec, k, args.chunk_tokens, args.question_tokens)
+                        problems += check_hit(rec, k, args.chunk_tokens, args.question_tokens, state=args.state)
                     elif rec["cached_tokens"]:
                         problems.append(f"L={L} rep={rep}: full prefill reported {rec['cached_tokens']} cached tokens")
             write(out, args, common, records, problems, lengths, loads, started)   # partial results survive a crash
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk-tokens", type=int, default=512)
     ap.add_argument("--prefix-tokens", type=int, default=32, help="the system prefix P")
     ap.add_argument("--question-tokens", type=int, default=32, help="the question Q")
-    ap.add_argument("--state", default="predecessor", choices=("predecessor", "zero"))
+    ap.add_argument("--state", default="predecessor", help="predecessor | zero | replay | replay-<r> (KV-only)")
     ap.add_argument("--selector", default="none", help="none | epic-<k> (the server's --linearkv-config selector)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--allow-busy", action="store_true", help="measure even if the machine is busy")

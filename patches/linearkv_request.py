@@ -20,12 +20,14 @@ separator) or whose text holds the server's separator (`--linearkv-config` `sepa
 from __future__ import annotations
 
 import asyncio
-import copy
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 TARGET = "srt/managers/tokenizer_manager.py: TokenizerManager.generate_request"
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=4)
@@ -96,18 +98,34 @@ def _can_compose(manager: Any) -> bool:
     return composes(getattr(hf, "layer_types", None), getattr(hf, "model_type", None))
 
 
-def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
+def served_length(manager: Any, n: int) -> int:
+    """The prompt length the server will serve of an n-token prompt: SGLang's tokenizer cuts it
+    to the context length and its scheduler to `max_req_input_len` under --allow-auto-truncate
+    (without it both refuse the request)."""
+    if not getattr(manager, "allow_auto_truncate", False):
+        return n
+    context = getattr(manager, "context_len", None)
+    if context is not None and n + int(getattr(manager, "num_reserved_tokens", 0) or 0) >= context:
+        n = min(n, context)
+    limit = getattr(manager, "max_req_input_len", None)
+    return min(n, limit) if limit is not None and n >= limit else n
+
+
+def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[int]], bool]:
     """Rewrite obj (separator mode), validate its chunks; return the chunks' token ids to register
-    ([] for a request without chunks). ValueError naming the field on bad input."""
-    from sglang_ext.linearkv import plan_chunks, request_field
+    ([] for a request without chunks) and whether their registrations keep the chunks' end states
+    (the request's rule reads them). ValueError naming the field on bad input."""
+    from sglang_ext.linearkv import NAMESPACE_PREFIX, is_chunk_namespace, keeps_state, plan_chunks, request_field
 
     config, _ = server
     if not _is_single(obj):
         custom = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
         if any(isinstance(p, dict) and request_field(p.get("custom_params")) for p in custom):
             raise ValueError("custom_params.linearkv: batched requests are not supported; send one request per prompt")
-        return []
+        return [], False
     value = request_field(_custom_params(obj))
+    if is_chunk_namespace(obj.extra_key if isinstance(obj.extra_key, str) else None):
+        raise ValueError(f"extra_key: keys starting with {NAMESPACE_PREFIX!r} are reserved for LinearKV's chunks")
     if value is not None and value.get("register"):
         raise ValueError("custom_params.linearkv.register is internal to the server")
     separator = value.get("separator") if value is not None else config.separator
@@ -119,13 +137,22 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
             if value is not None:
                 raise ValueError(f"custom_params.linearkv.separator {separator!r}: the prompt needs "
                                  "P sep chunk sep ... sep question (at least two separators)")
-            return []
+            return [], False
         value = {**(value or {}), "chunks": spans}
         value.pop("separator", None)
     if value is None:
-        return []
+        return [], False
     ids = _prompt_ids(manager, obj)
     plan = plan_chunks(value, len(ids), config, can_compose=_can_compose(manager))
+    served = served_length(manager, len(ids))
+    if plan is not None and served < len(ids):
+        # --allow-auto-truncate will cut the prompt: its chunks are planned against what is served
+        # (the scheduler plans again on the cut prompt and, where no question token is left after
+        # the chunks, serves a plain prefill and says so in meta_info: `fallback`)
+        try:
+            plan = plan_chunks(value, served, config, can_compose=_can_compose(manager))
+        except ValueError:
+            return [], False
     params = dict(obj.sampling_params or {})
     custom = dict(params.get("custom_params") or {})
     custom["linearkv"] = {k: v for k, v in value.items() if k != "separator"}
@@ -134,20 +161,35 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> list[list[int]]:
     params["custom_params"] = custom
     obj.sampling_params = params
     if plan is None:
-        return []
+        return [], False
     prefix = [ids[:plan.prefix_end]] if plan.prefix_end else []
-    return prefix + [ids[s:e] for s, e in plan.chunks]
+    return prefix + [ids[s:e] for s, e in plan.chunks], keeps_state(plan)
 
 
-async def _register(manager: Any, original: Callable, chunks: list[list[int]], namespace: str) -> None:
+async def _register(manager: Any, original: Callable, obj: Any, chunks: list[list[int]], namespace: str,
+                    keep_state: bool) -> None:
+    """Prefill every new chunk (and P) in the request's tenant namespace, with its LoRA and cache
+    salt, all at once. A registration that fails (aborted, refused) is logged and left: the
+    request's chunks then miss and it is served as a plain prefill."""
     from sglang.srt.managers.io_struct import GenerateReqInput
 
+    from sglang_ext.linearkv import tenant_namespace
+
+    key = tenant_namespace(namespace, obj.extra_key if isinstance(obj.extra_key, str) else None)
+    tenancy = {name: getattr(obj, name) for name in ("cache_salt", "lora_path", "routing_key", "routed_dp_rank")
+               if getattr(obj, name, None) is not None}
+
     async def one(ids: list[int]) -> None:
-        sub = GenerateReqInput(input_ids=ids, extra_key=namespace, stream=False,
+        sub = GenerateReqInput(input_ids=ids, extra_key=key, stream=False, **tenancy,
                                sampling_params={"max_new_tokens": 0,
-                                                "custom_params": {"linearkv": {"register": True}}})
-        async for _ in original(manager, sub, None):
-            pass
+                                                "custom_params": {"linearkv": {"register": True,
+                                                                               "keep_state": keep_state}}})
+        try:
+            async for _ in original(manager, sub, None):
+                pass
+        except Exception as exc:   # noqa: BLE001 - the request itself still runs, as a plain prefill
+            logger.warning("linearkv: a chunk registration of %d tokens failed (%s: %s); the request's "
+                           "chunks will miss", len(ids), type(exc).__name__, exc)
 
     unique = {tuple(c): c for c in chunks}
     await asyncio.gather(*(one(c) for c in unique.values()))
@@ -160,10 +202,13 @@ def _wrap_generate_request(original: Callable) -> Callable:
 
         server = _this_server() if isinstance(obj, GenerateReqInput) else None
         if server is not None:
-            obj = copy.copy(obj)
-            chunks = prepare(self, obj, server)
+            # obj is rewritten in place (separator mode: text -> input_ids; the chunk spans), as
+            # SGLang normalizes it in place: the HTTP layer's disconnect abort reads the same
+            # object's rid and is_single afterwards
+            chunks, keep_state = prepare(self, obj, server)
             if chunks:
-                await _register(self, original, chunks, server[1])
+                obj.is_single = True   # (prepare plans single requests only) read by a disconnect abort
+                await _register(self, original, obj, chunks, server[1], keep_state)
         async for out in original(self, obj, request):
             yield out
 

@@ -27,7 +27,7 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
         if record is not None and record.plan is not None:
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: replay_summary(record, len(req.origin_input_ids))}
         linearkv = getattr(req, "_linearkv_record", None)
-        if linearkv is not None and not linearkv.register and linearkv.plan is not None:
+        if linearkv is not None and not linearkv.register and (linearkv.plan is not None or linearkv.fallback):
             from sglang_ext.linearkv import META_KEY as LINEARKV_KEY
             from sglang_ext.linearkv import summary
 

@@ -43,9 +43,10 @@ from eval.harness import ServerProcess, servers_running
 from eval.linearkv.data import TASKS, Builder
 from eval.linearkv.records import appending, load_records
 from eval.quality.ruler import ruler_score
-from sglang_ext.linearkv.serving import epic_k
+from sglang_ext.linearkv.serving import SERVED_STATE_RULES, epic_k, state_rule
 
-SERVED_RULES = ("predecessor", "zero", "compose")   # compose: Mamba-2 models only (the server refuses it on GDN)
+#: compose: Mamba-2 models only (the server refuses it on GDN); replay also as replay-<r>
+SERVED_RULES = SERVED_STATE_RULES
 
 
 def _post(url: str, payload: dict) -> dict:
@@ -252,8 +253,8 @@ def main(argv=None) -> int:
         if t not in TASKS:
             p.error(f"unknown task {t!r}; choose from {TASKS}")
     for r in args.rules.split(","):
-        if r not in SERVED_RULES:
-            p.error(f"--rules: {r!r} is not served; choose from {SERVED_RULES}")
+        if state_rule(r)[0] not in SERVED_RULES:
+            p.error(f"--rules: {r!r} is not served; choose from {SERVED_RULES} or replay-<r>")
     for sel in args.selectors.split(","):
         try:
             epic_k(sel, None, "--selectors {}", ValueError)

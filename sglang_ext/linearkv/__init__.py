@@ -20,6 +20,7 @@ from sglang_ext.linearkv.serving import (
     COMPOSING_RULES,
     DEFAULT_EPIC_K,
     META_KEY,
+    NAMESPACE_PREFIX,
     ChunkPlan,
     LinearKVConfig,
     LinearKVConfigError,
@@ -28,12 +29,16 @@ from sglang_ext.linearkv.serving import (
     check_server_flags,
     composes,
     epic_k,
+    fallback_record,
+    is_chunk_namespace,
+    keeps_state,
     namespace,
     plan_chunks,
     request_field,
     spans_of_segments,
     split_by_separator,
     summary,
+    tenant_namespace,
 )
 from sglang_ext.linearkv.serving import parse_config as parse_server_config
 from sglang_ext.linearkv.store import ChunkEntry, ChunkReferenceError, ChunkStore, LinearLayerState, chunk_id
@@ -43,9 +48,11 @@ _FROM_CACHE = ("LinearKVRadixCache", "linearkv_cache_factory", "linearkv_record"
 
 __all__ = ["STATE_RULES", "get_state_rule", "SELECTOR_KINDS", "Selector", "parse_selector", "ChunkEntry",
            "ChunkReferenceError", "ChunkStore", "LinearLayerState", "chunk_id",
-           "BACKEND_NAME", "COMPOSING_RULES", "DEFAULT_EPIC_K", "META_KEY", "ChunkPlan", "LinearKVConfig", "LinearKVConfigError", "LinearKVRequest",
+           "BACKEND_NAME", "COMPOSING_RULES", "DEFAULT_EPIC_K", "META_KEY", "NAMESPACE_PREFIX",
+           "ChunkPlan", "LinearKVConfig", "LinearKVConfigError", "LinearKVRequest",
            "capture_of", "composes", "epic_k", "check_server_flags", "namespace", "plan_chunks", "spans_of_segments", "split_by_separator",
-           "request_field", "summary", "parse_server_config", *_FROM_CACHE]
+           "request_field", "summary", "parse_server_config", "fallback_record", "is_chunk_namespace",
+           "keeps_state", "tenant_namespace", *_FROM_CACHE]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,6 +9,10 @@ Two readings of LinearKV's "map K chunk states to one initial state" (design not
   prefix state and chunks[:j]; conv window of chunk j-1).
 - packed (I1): all recomputed tokens form one sequence from one seed f(chunks): `packed-last`,
   `packed-first`, `packed-mean`, `packed-zero`, `packed-compose`.
+- KV-only (`replay`, `replay-<r>`): no chunk state is read; every recomputed span but one starting
+  right after the prefix begins up to r tokens earlier (r = 64 for `replay`), from a zero state
+  and in context, and those r tokens are recomputed with it (Tail-Replay's rebuild of a linear
+  state from a short tail, applied to chunks). The spans are `serving.ChunkPlan`'s (the server's).
 
 Conv windows follow the same rule (zero, the predecessor's / last / first chunk's window, their
 mean); composition does not apply to conv windows (the exact window before a token is its
@@ -80,6 +84,8 @@ class StateRule:
     fn: Callable[[LayerChunks, int], Seed]
     needs_transitions: bool
     help: str
+    #: tokens replayed from zero before each recomputed span (KV-only rules), 0 otherwise
+    replay: int = 0
 
     def seed(self, chunks: LayerChunks, j: int) -> Seed:
         """Seed for a span after the prefix and chunks[:j] (packed rules ignore j)."""
@@ -102,10 +108,17 @@ STATE_RULES: dict[str, StateRule] = {r.name: r for r in (
     StateRule("packed-zero", True, lambda c, j: c.zero(), False, "one packed sequence from zero"),
     StateRule("packed-compose", True, lambda c, j: _compose(c, len(c.chunks)), True,
               "one packed sequence from the exact composition of all chunks"),
+    StateRule("replay", False, lambda c, j: c.zero(), False,
+              "KV-only: each recomputed span starts 64 tokens earlier from zero, in context", replay=64),
 )}
 
 
 def get_state_rule(name: str) -> StateRule:
+    """A rule by name; `replay-<r>` is `replay` with r tokens replayed."""
+    kind, _, arg = name.partition("-")
+    if name not in STATE_RULES and kind == "replay" and arg.isdigit() and int(arg) > 0:
+        return StateRule(name, False, lambda c, j: c.zero(), False,
+                         f"KV-only: each recomputed span starts {arg} tokens earlier from zero", replay=int(arg))
     if name not in STATE_RULES:
-        raise ValueError(f"unknown state initializer {name!r}; choose from {sorted(STATE_RULES)}")
+        raise ValueError(f"unknown state initializer {name!r}; choose from {sorted(STATE_RULES)} or replay-<r>")
     return STATE_RULES[name]

@@ -40,7 +40,7 @@ def _this_rank_records() -> bool:
 
 def record_request(record: LinearKVRequest) -> None:
     """Count a request with chunks once (a retracted and re-matched request is counted at its end)."""
-    if record.recorded or record.register or record.plan is None or not _this_rank_records():
+    if record.recorded or record.register or (record.plan is None and not record.fallback) or not _this_rank_records():
         return
     record.recorded = True
     counters = _counters()

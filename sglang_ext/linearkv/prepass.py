@@ -156,12 +156,12 @@ def run_prepass(worker: Any, batch: Any) -> int:
 
 
 def _at_question(batch: Any, i: int, req: Any) -> bool:
-    """Whether this forward is the request's first over its question (its prefix ends at the
-    question start): the heads run once, before it."""
+    """Whether this forward is the request's first over its question (its prefix ends where its
+    own forward starts: the question, or a replayed tail before it): the heads run once, before it."""
     from sglang_ext.linearkv.sglang_cache import linearkv_record
 
     record = linearkv_record(req)
-    return record is not None and record.plan is not None and batch.prefix_lens[i] == record.plan.question_start
+    return record is not None and record.plan is not None and batch.prefix_lens[i] == record.plan.forward_start
 
 
 def _forward(runner: Any, stage: Any) -> None:

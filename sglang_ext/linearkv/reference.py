@@ -31,6 +31,7 @@ import torch
 from sglang_ext.linearkv import ops
 from sglang_ext.linearkv.initializers import LayerChunks, Seed, StateRule, get_state_rule
 from sglang_ext.linearkv.selectors import Selector
+from sglang_ext.linearkv.serving import ChunkPlan
 from sglang_ext.linearkv.store import ChunkEntry, ChunkReferenceError, ChunkStore, LinearLayerState, chunk_id
 
 ARCHS = {"qwen3_next": "gdn", "nemotron_h": "mamba2"}
@@ -420,6 +421,13 @@ def assemble(model, layout: ModelLayout, chunks: Sequence, suffix_ids: Sequence[
         c += len(e)
     suffix_span = (c, c + len(suffix_ids))
     n = suffix_span[1]
+    # KV-only rules: the recomputed spans are the server's (`serving.ChunkPlan`), each from zero
+    replay_spans: list[list[int]] | None = None
+    if rule.replay:
+        if selector.kind not in ("none", "epic"):
+            raise ValueError(f"state rule {rule.name!r} runs with selectors none and epic-k, not {selector.name!r}")
+        plan = ChunkPlan(tuple(spans), "replay", selector.k if selector.kind == "epic" else 0, rule.replay)
+        replay_spans = [list(range(a, b)) for a, b in plan.heads] + [list(range(plan.forward_start, n))]
     all_ids = torch.tensor(prefix + [t for e in entries for t in e.token_ids] + [int(t) for t in suffix_ids])
 
     # the prefix, exactly
@@ -454,6 +462,8 @@ def assemble(model, layout: ModelLayout, chunks: Sequence, suffix_ids: Sequence[
         chunks before the span (the question: K); packed rules: one span."""
         if rule.packed:
             return [(positions, len(entries))]
+        if replay_spans is not None:
+            return [(g, len(entries)) for g in replay_spans if g]
         groups: dict[int, list[int]] = {}
         for q in positions:
             j = next((jj for jj, (s, t) in enumerate(spans) if s <= q < t), len(entries))
@@ -468,6 +478,9 @@ def assemble(model, layout: ModelLayout, chunks: Sequence, suffix_ids: Sequence[
     if selector.needs_check_layer:
         recomputed = list(range(p, n))          # everything until the check layer
         exact_until = layout.check_layer
+    elif replay_spans is not None:
+        recomputed = [q for g in replay_spans for q in g]
+        exact_until = 0
     else:
         recomputed = selector.plan(spans, suffix_span)
         exact_until = 0

@@ -20,7 +20,10 @@ Request fields (`sampling_params.custom_params.linearkv`):
   separators dropped;
 - optional `"state"`: the request's state rule; optional `"selector"`: the request's selector
   (`"none"`, `"epic"` with the server's k, or `"epic-<k>"`).
-Internal: `{"register": true}` marks a chunk-registration prefill (sent by the request seam).
+Internal: `{"register": true, "keep_state": bool}` marks a chunk-registration prefill (sent by the
+request seam); `keep_state` false (the request's rule reads no chunk state: `zero`, `replay`) keeps
+only the chunk's KV, true also its end state (a registration that needs the state of a chunk held
+without one prefills it again and adds the state).
 """
 
 from __future__ import annotations
@@ -35,8 +38,14 @@ BACKEND_NAME = "linearkv"
 #: key of the per-request summary in `meta_info["cached_tokens_details"]` and in custom_params
 META_KEY = "linearkv"
 #: state rules served by the server (the reference path also has packed variants); `compose` (exact
-#: composition of the chunks' end states through their transitions) on Mamba-2 models only
-SERVED_STATE_RULES = ("predecessor", "zero", "compose")
+#: composition of the chunks' end states through their transitions) on Mamba-2 models only;
+#: `replay` (or `replay-<r>`): KV-only, each recomputed span starts `r` tokens earlier from a zero
+#: state, in context (Tail-Replay's idea applied to chunks), so no chunk state is read
+SERVED_STATE_RULES = ("predecessor", "zero", "compose", "replay")
+#: state rules that read no chunk state: their registrations keep only the chunks' KV
+KV_ONLY_RULES = ("zero", "replay")
+#: tokens replayed by state rule `replay` without a `-<r>`
+DEFAULT_REPLAY_TOKENS = 64
 #: state rules that need each chunk's transition (a per-head scalar decay on Mamba-2)
 COMPOSING_RULES = ("compose",)
 #: selector kinds served by the server: `none` (only the question is computed) and `epic`
@@ -45,12 +54,17 @@ COMPOSING_RULES = ("compose",)
 SERVED_SELECTORS = ("none", "epic")
 #: EPIC's k when the selector is "epic" and no `k` is given
 DEFAULT_EPIC_K = 16
-#: radix-tree namespace (`extra_key`) of registered chunks, per model
+#: radix-tree namespace (`extra_key`) of registered chunks, per model, then per tenant (see
+#: `tenant_namespace`); KV events leave it out
 NAMESPACE_PREFIX = "linearkv-chunk:"
+#: `--mamba-radix-cache-strategy` values LinearKV serves (`auto` before SGLang resolves it; it
+#: resolves to one of the first two). Under `extra_buffer` a registration keeps its end state at the
+#: chunk's end, not on the tracking grid (`sglang_cache.LinearKVMambaComponent`).
+SERVED_STRATEGIES = ("no_buffer", "extra_buffer", "auto", None)
 
 _CONFIG_KEYS = ("selector", "k", "state", "min_chunk_tokens", "separator")
 _CONFIG_WHERE = "--linearkv-config key '{}'"
-_REQUEST_KEYS = ("chunks", "separator", "state", "selector", "register")
+_REQUEST_KEYS = ("chunks", "separator", "state", "selector", "register", "keep_state")
 
 
 class LinearKVConfigError(ValueError):
@@ -136,10 +150,21 @@ def selector_name(k: int) -> str:
     return f"epic-{k}" if k else "none"
 
 
+def state_rule(value: str) -> tuple[str, int]:
+    """(served rule, tokens replayed) of a state value: "replay" -> ("replay", 64),
+    "replay-<r>" -> ("replay", r), any other -> (value, 0). Unchecked."""
+    if value == "replay":
+        return "replay", DEFAULT_REPLAY_TOKENS
+    kind, _, arg = value.partition("-") if isinstance(value, str) else ("", "", "")
+    if kind == "replay" and arg.isdigit() and int(arg) > 0:
+        return "replay", int(arg)
+    return value, 0
+
+
 def _check_state(value: Any, where: str, error: type[ValueError]) -> None:
-    if value not in SERVED_STATE_RULES:
-        raise error(f"{where}: {value!r} is not served; choose from {list(SERVED_STATE_RULES)} "
-                    "(packed rules run on the reference path)")
+    if not isinstance(value, str) or state_rule(value)[0] not in SERVED_STATE_RULES:
+        raise error(f"{where}: {value!r} is not served; choose from {list(SERVED_STATE_RULES)} or replay-<r> "
+                    "(r >= 1 tokens; packed rules run on the reference path)")
 
 
 def check_server_flags(server_args: Any) -> None:
@@ -151,9 +176,12 @@ def check_server_flags(server_args: Any) -> None:
     if page_size != 1:
         raise ValueError("--radix-cache-backend linearkv needs --page-size 1 (a chunk is reused only in full, "
                          f"and a page-aligned tree would cut its last page); got --page-size {page_size}")
-    if getattr(server_args, "mamba_scheduler_strategy", None) == "extra_buffer":
-        raise ValueError("--radix-cache-backend linearkv needs --mamba-scheduler-strategy no_buffer "
-                         "(extra_buffer keeps states only on its grid, not at a chunk's end)")
+    strategy = getattr(server_args, "mamba_radix_cache_strategy", None)
+    if strategy not in SERVED_STRATEGIES:
+        raise ValueError(f"--radix-cache-backend linearkv runs with --mamba-radix-cache-strategy "
+                         f"{' / '.join(SERVED_STRATEGIES[:2])} (or auto, which SGLang resolves to one of them); "
+                         f"got --mamba-radix-cache-strategy {strategy} (the lazy variant may skip a checkpoint "
+                         "when its pre-allocation fails, and a chunk registration must keep its end state)")
     if getattr(server_args, "enable_hierarchical_cache", False):
         raise ValueError("--radix-cache-backend linearkv does not run with --enable-hierarchical-cache")
     if getattr(server_args, "enable_dp_attention", False):
@@ -165,8 +193,23 @@ def check_server_flags(server_args: Any) -> None:
 
 
 def namespace(model_id: str) -> str:
-    """The radix-tree `extra_key` under which a model's chunks are registered."""
+    """The radix-tree `extra_key` prefix under which a model's chunks are registered."""
     return NAMESPACE_PREFIX + model_id
+
+
+def tenant_namespace(model_namespace: str, extra_key: str | None) -> str:
+    """The `extra_key` of the chunks of a request whose own `extra_key` (SGLang's: the client's
+    `extra_key` with its LoRA id appended) is `extra_key`: chunks are registered per tenant, as
+    SGLang's own prefix cache keys prompts (the cache salt is kept apart, in the key's
+    `cache_salt`). A registration sent with `extra_key = tenant_namespace(ns, client_key)` and the
+    request's LoRA gets `tenant_namespace(ns, client_key + lora_id)` from SGLang, the key its
+    request looks chunks up under."""
+    return f"{model_namespace}|{extra_key or ''}"
+
+
+def is_chunk_namespace(extra_key: str | None) -> bool:
+    """Whether a radix key's `extra_key` is a chunk namespace (never a prompt's)."""
+    return extra_key is not None and extra_key.startswith(NAMESPACE_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -178,6 +221,9 @@ class ChunkPlan:
     state: str
     #: EPIC's k (0: selector none): the first k tokens of every chunk are recomputed in context
     k: int = 0
+    #: state rule `replay`: each recomputed span but the first head starts up to this many tokens
+    #: earlier, from a zero state (never into P, a head or the span before it)
+    replay: int = 0
 
     @property
     def prefix_end(self) -> int:
@@ -192,9 +238,37 @@ class ChunkPlan:
         return self.question_start - self.prefix_end
 
     @property
+    def seeds_zero(self) -> bool:
+        """Whether every recomputed span starts from a zero state (`zero`; `replay`, whose spans
+        start earlier to rebuild it)."""
+        return self.state in KV_ONLY_RULES
+
+    @property
     def heads(self) -> tuple[tuple[int, int], ...]:
-        """The recomputed head span of every chunk, [c_j, c_j + min(k, n_j)) (EPIC); () for none."""
-        return tuple((s, min(e, s + self.k)) for s, e in self.chunks) if self.k else ()
+        """The recomputed head span of every chunk, [c_j, c_j + min(k, n_j)) (EPIC); () for none.
+        Under `replay` head j > 0 starts up to `replay` tokens earlier, not before head j-1's end."""
+        if not self.k:
+            return ()
+        out, prev = [], self.prefix_end
+        for j, (s, e) in enumerate(self.chunks):
+            end = min(e, s + self.k)
+            out.append((s if j == 0 else max(prev, s - self.replay), end))
+            prev = end
+        return tuple(out)
+
+    @property
+    def forward_start(self) -> int:
+        """Where the request's own forward starts: the question, or under `replay` up to `replay`
+        tokens before it (not into P or the last head)."""
+        if not self.replay:
+            return self.question_start
+        floor = self.heads[-1][1] if self.k else self.prefix_end
+        return max(floor, self.question_start - self.replay)
+
+    @property
+    def recomputed_chunk_tokens(self) -> int:
+        """Chunk tokens computed in context (EPIC heads, replayed tails) rather than reused."""
+        return self.head_tokens + self.question_start - self.forward_start
 
     @property
     def head_tokens(self) -> int:
@@ -240,6 +314,12 @@ def composes(layer_types: Sequence[str] | None, model_type: str | None) -> bool:
     return "linear_attention" not in kinds and not str(model_type or "").startswith(("qwen3_next", "qwen3_5"))
 
 
+def keeps_state(plan: ChunkPlan) -> bool:
+    """Whether the registrations a request with this plan sends keep their chunks' end states
+    (its rule, or its EPIC heads' seeds, read them)."""
+    return plan.state not in KV_ONLY_RULES
+
+
 def is_registration(custom_params: Any) -> bool:
     field_ = request_field(custom_params) if isinstance(custom_params, Mapping) else None
     return bool(field_ and field_.get("register") is True)
@@ -253,6 +333,7 @@ def plan_chunks(value: Mapping[str, Any], n_tokens: int, config: LinearKVConfig,
     field on a malformed value."""
     state = value.get("state", config.state)
     _check_state(state, "custom_params.linearkv.state", ValueError)
+    state, replay = state_rule(state)
     if state in COMPOSING_RULES and not can_compose:
         raise ValueError(f"custom_params.linearkv.state {state!r} is served for Mamba-2 models only "
                          "(a GDN chunk's transition is a matrix per head; use predecessor or zero)")
@@ -263,7 +344,7 @@ def plan_chunks(value: Mapping[str, Any], n_tokens: int, config: LinearKVConfig,
         k = epic_k(config.selector, None, _CONFIG_WHERE, ValueError)
     spans = _spans(value.get("chunks"), n_tokens)
     joined = join_short(spans, config.min_chunk_tokens)
-    return ChunkPlan(tuple(joined), state, k) if joined else None
+    return ChunkPlan(tuple(joined), state, k, replay) if joined else None
 
 
 def _spans(raw: Any, n_tokens: int) -> list[tuple[int, int]]:
@@ -327,6 +408,8 @@ class LinearKVRequest:
 
     plan: ChunkPlan | None = None
     register: bool = False
+    #: a registration that keeps its chunk's end state (else KV only)
+    keep_state: bool = True
     #: the last match: tree prefix length (Tail-Replay's plan over P), chunk hits
     tree_prefix_len: int = 0
     chunks_hit: int = 0
@@ -338,6 +421,11 @@ class LinearKVRequest:
     state_source: str = "none"
     #: registration of a chunk already cached: a throw-away prefill of its last token
     register_hit: bool = False
+    #: why a request with chunks is served as a plain prefill without being planned (its chunks no
+    #: longer fit the prompt SGLang cut under --allow-auto-truncate), or None
+    fallback: str | None = None
+    #: chunks the request declared (what a fallback reports missed)
+    declared_chunks: int = 0
     recorded: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -352,10 +440,21 @@ def summary(record: LinearKVRequest) -> dict:
     from the cache or not (a miss: the request was prefilled in full), chunk tokens whose KV was
     reused, prompt tokens the forwards computed past the reused ones (EPIC's chunk heads
     included), the question's state and the selector."""
-    return {"chunks_hit": record.chunks_hit, "chunks_missed": record.chunks_missed,
-            "reused_tokens": record.reused_tokens, "recomputed_tokens": record.recomputed_tokens,
-            "state_source": record.state_source,
-            "selector": record.plan.selector if record.plan is not None else "none"}
+    out = {"chunks_hit": record.chunks_hit, "chunks_missed": record.chunks_missed,
+           "reused_tokens": record.reused_tokens, "recomputed_tokens": record.recomputed_tokens,
+           "state_source": record.state_source,
+           "selector": record.plan.selector if record.plan is not None else "none"}
+    if record.fallback is not None:
+        out["fallback"] = record.fallback
+    return out
+
+
+def fallback_record(value: Mapping[str, Any], n_tokens: int, reason: str) -> LinearKVRequest:
+    """The record of a request whose chunks cannot be planned on the prompt as served: a plain
+    prefill, every declared chunk missed, every prompt token computed."""
+    declared = value.get("chunks")
+    missed = len(declared) if isinstance(declared, Sequence) and not isinstance(declared, (str, bytes)) else 0
+    return LinearKVRequest(chunks_missed=missed, recomputed_tokens=n_tokens, fallback=reason, declared_chunks=missed)
 
 
 def with_state(plan: ChunkPlan, state: str) -> ChunkPlan:

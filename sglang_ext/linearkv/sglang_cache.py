@@ -31,6 +31,7 @@ A request's way through it (seams in `patches/linearkv_request.py` and this clas
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -58,9 +59,12 @@ from sglang_ext.linearkv.serving import (
     LinearKVRequest,
     capture_of,
     check_server_flags,
+    fallback_record,
+    is_chunk_namespace,
     is_registration,
     plan_chunks,
     request_field,
+    tenant_namespace,
 )
 from sglang_ext.tail_replay import TailDecay, TailReplayMambaComponent, TailReplayRadixCache, record_of
 
@@ -68,6 +72,8 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchResult
 
 __all__ = ["BACKEND_NAME", "LinearKVRadixCache", "linearkv_cache_factory", "linearkv_record"]
+
+logger = logging.getLogger(__name__)
 
 #: attribute on SGLang's Req holding its LinearKVRequest
 _RECORD_ATTR = "_linearkv_record"
@@ -90,9 +96,15 @@ def _record_for(req: Any, config: LinearKVConfig) -> LinearKVRequest | None:
     if value is None:
         return None
     if is_registration(custom):
-        record = LinearKVRequest(register=True)
+        record = LinearKVRequest(register=True, keep_state=value.get("keep_state", True) is not False)
     else:
-        record = LinearKVRequest(plan=plan_chunks(value, len(req.origin_input_ids), config))
+        n = len(req.origin_input_ids)
+        try:
+            record = LinearKVRequest(plan=plan_chunks(value, n, config))
+        except ValueError as exc:
+            # validated on arrival (HTTP 400), so only a prompt SGLang cut afterwards
+            # (--allow-auto-truncate) gets here: served as a plain prefill, and said so
+            record = fallback_record(value, n, f"chunks not served on the {n}-token prompt as served: {exc}")
     setattr(req, _RECORD_ATTR, record)
     return record
 
@@ -157,15 +169,39 @@ class LinearKVMambaComponent(TailReplayMambaComponent):
         record = linearkv_record(req)
         if record is None:
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+        if record.register and not record.register_hit and not record.keep_state:
+            self._withhold(req, insert_params)   # a KV-only chunk
+            return token_ids_len
         if record.register and not record.register_hit:
             if is_finished:
                 self.cache.keep_transition(req)
+                if self.cache.enable_mamba_extra_buffer:
+                    return self._donate_end_state(req, insert_params, token_ids_len)
             return MambaComponent.prepare_for_caching_req(self, req, insert_params, token_ids_len, is_finished)
         if not (record.register_hit or record.assembled):   # a fallback: Tail-Replay's rules
             return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
         self._withhold(req, insert_params)
         if record.assembled:
             return min(token_ids_len, record.plan.prefix_end)
+        return token_ids_len
+
+    def _donate_end_state(self, req: Any, insert_params: Any, token_ids_len: int) -> int:
+        """A finished registration under `extra_buffer`: SGLang would keep the state it last
+        tracked (on its grid, not at the chunk's end); the request's own slot holds the state at the
+        chunk's end (a registration decodes nothing), so that slot is donated with the whole key
+        and a fresh one takes its place for SGLang's release to free. No slot to spare (after
+        eviction): the chunk is kept without its state (a seed that needs it misses)."""
+        pool = self.cache.req_to_token_pool
+        fresh = pool.mamba_allocator.alloc(1)
+        if fresh is None:
+            self.cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+            fresh = pool.mamba_allocator.alloc(1)
+        insert_params.mamba_value = None
+        if fresh is not None:
+            insert_params.mamba_value = req.kv.mamba_pool_idx.unsqueeze(-1).clone()
+            req.kv.mamba_pool_idx = fresh[0]
+        insert_params.mamba_keep_idx = None
+        req._linearkv_end_donated = True
         return token_ids_len
 
     def _withhold(self, req: Any, insert_params: Any) -> None:
@@ -184,10 +220,17 @@ class LinearKVMambaComponent(TailReplayMambaComponent):
                 self.cache.req_to_token_pool.free_mamba_cache(req)
                 return
             return MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
+        if getattr(req, "_linearkv_end_donated", False):   # is_finished, extra_buffer: see _donate_end_state
+            req._linearkv_end_donated = False
+            donated = insert_params.mamba_value if insert_params is not None else None
+            if donated is not None and (insert_result is None or insert_result.mamba_exist):
+                self._free_mamba_value(donated)   # the tree kept its own copy
+            self.cache.req_to_token_pool.free_mamba_cache(req)   # the fresh slot and the ping-pong slots
+            return
         record = linearkv_record(req)
-        if record is not None and record.register and not record.register_hit:
+        if record is not None and record.register and not record.register_hit and record.keep_state:
             return MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
-        return super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
+        return super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)   # withheld too
 
     def finalize_match_result_in_cache(self, params, result):
         record = linearkv_record(params.req) if params.req is not None else None
@@ -221,15 +264,22 @@ class LinearKVRadixCache(TailReplayRadixCache):
         setattr(req, _CAPTURE_ATTR, None)
         if not decay.sums or any(n != end - start for n in decay.tokens.values()):
             return
-        self.transitions[tuple(req.origin_input_ids)] = {layer: s.exp() for layer, s in decay.sums.items()}
-        self.transitions.move_to_end(tuple(req.origin_input_ids))
+        key = (req.extra_key, req.cache_salt, tuple(req.origin_input_ids))
+        self.transitions[key] = {layer: s.exp() for layer, s in decay.sums.items()}
+        self.transitions.move_to_end(key)
         while len(self.transitions) > MAX_TRANSITIONS:
             self.transitions.popitem(last=False)
 
     def _transitions_of(self, req: Any, chunks: Any) -> list[dict] | None:
         ids = req.origin_input_ids
-        out = [self.transitions.get(tuple(ids[s:e])) for s, e in chunks]
+        space, salt = self.chunk_space(req)
+        out = [self.transitions.get((space, salt, tuple(ids[s:e]))) for s, e in chunks]
         return None if any(t is None for t in out) else out
+
+    def chunk_space(self, req: Any) -> tuple[str, str | None]:
+        """(`extra_key`, cache salt) under which a request's chunks are registered: its tenant's
+        chunk namespace (`serving.tenant_namespace`), with its salt."""
+        return tenant_namespace(self.chunk_namespace, req.extra_key), req.cache_salt
 
     # ---- match -------------------------------------------------------------------------------
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
@@ -239,11 +289,16 @@ class LinearKVRadixCache(TailReplayRadixCache):
             return super()._match_tree(params)
         record.reset_match()
         self._drop_chunk_lock(req)
+        self._free_unplaced(req)
         if record.register:
             return self._match_registration(params, record)
         if record.plan is None:
-            return super()._match_tree(params)
-        if len(params.key) < record.plan.question_start:
+            result = super()._match_tree(params)
+            if record.fallback is not None:   # a plain prefill past the tree prefix; every chunk missed
+                record.chunks_missed = record.declared_chunks
+                record.recomputed_tokens = len(req.origin_input_ids) - result.device_prefix_len
+            return result
+        if len(params.key) < record.plan.forward_start:
             # the scheduler capped the match below the question (input logprobs asked from a
             # position inside P or the chunks): those tokens must run in this forward, so the
             # request is served as a plain prompt and its chunks count as missed
@@ -260,11 +315,12 @@ class LinearKVRadixCache(TailReplayRadixCache):
         are in the namespace, else a full prefill from zero (its end state is then stored)."""
         key = params.key
         n = len(key.token_ids)
-        found = self._find_chunk(key.token_ids, 0, n, need_state=True)
+        found = self._find_chunk(key.token_ids, 0, n, need_state=record.keep_state,
+                                 space=(key.extra_key, key.cache_salt))
         result = self.tree_core.match_prefix(MatchPrefixParams(key=key))
         self._apply_cache_actions(result.cache_actions)
-        if found is not None and result.device_prefix_len >= n - 1 and (
-                not self.can_compose or tuple(key.token_ids) in self.transitions):
+        if found is not None and result.device_prefix_len >= n - 1 and (not (self.can_compose and record.keep_state)
+                or (key.extra_key, key.cache_salt, tuple(key.token_ids)) in self.transitions):
             record.register_hit = True
             result = result._replace(device_prefix_len=n - 1)
         else:
@@ -272,13 +328,14 @@ class LinearKVRadixCache(TailReplayRadixCache):
                 setattr(params.req, _CAPTURE_ATTR, (TailDecay(), 0, n))
             root = self.root_node_handle(key.extra_key)
             result = result._replace(device_prefix_len=0, last_device_node=root, last_host_node=root,
-                                     best_match_node=root)
+                                     best_match_node=root, mamba_branching_seqlen=None)
         return UnifiedFinalize.finalize(self, params, result)
 
-    def _find_chunk(self, token_ids: Any, start: int, end: int, need_state: bool) -> Any:
-        """The namespace node holding chunk token_ids[start:end] in full (and its end state if
-        `need_state`), or None. Touches the chunk's LRU position (a hit)."""
-        key = RadixKey(token_ids[start:end], self.chunk_namespace)
+    def _find_chunk(self, token_ids: Any, start: int, end: int, need_state: bool,
+                    space: tuple[str, str | None]) -> Any:
+        """The node of chunk namespace `space` (`chunk_space`) holding chunk token_ids[start:end]
+        in full (and its end state if `need_state`), or None. Touches the chunk's LRU position."""
+        key = RadixKey(token_ids[start:end], space[0], cache_salt=space[1])
         result = self.tree_core.match_prefix(MatchPrefixParams(key=key))
         self._apply_cache_actions(result.cache_actions)
         if result.device_prefix_len != end - start:
@@ -307,13 +364,13 @@ class LinearKVRadixCache(TailReplayRadixCache):
         for i, (start, end) in enumerate(plan.chunks):
             last = i == len(plan.chunks) - 1
             need = composing or (plan.state == "predecessor" and (last or heads_read))
-            node = self._find_chunk(ids, start, end, need_state=need)
+            node = self._find_chunk(ids, start, end, need_state=need, space=self.chunk_space(req))
             if node is None:
                 return None
             nodes.append(node)
         if not plan.prefix_end or not (composing or heads_read):
             return nodes, None
-        prefix = self._find_chunk(ids, 0, plan.prefix_end, need_state=True)
+        prefix = self._find_chunk(ids, 0, plan.prefix_end, need_state=True, space=self.chunk_space(req))
         return None if prefix is None else (nodes, prefix)
 
     def _prefix_node(self, req: Any, record: LinearKVRequest) -> tuple[Any, Any] | None:
@@ -330,9 +387,10 @@ class LinearKVRadixCache(TailReplayRadixCache):
         if result.device_prefix_len == plan.prefix_end:
             return result.last_device_node, root
         if record.tree_prefix_len == 0:
-            node = self._find_chunk(req.origin_input_ids, 0, plan.prefix_end, need_state=False)
+            space = self.chunk_space(req)
+            node = self._find_chunk(req.origin_input_ids, 0, plan.prefix_end, need_state=False, space=space)
             if node is not None:
-                return node, self.root_node_handle(self.chunk_namespace)
+                return node, self.root_node_handle(space[0])
         return None
 
     def _plan_chunks(self, req: Any, record: LinearKVRequest, result: MatchResult) -> MatchResult:
@@ -345,7 +403,7 @@ class LinearKVRadixCache(TailReplayRadixCache):
             record.recomputed_tokens = len(req.origin_input_ids) - result.device_prefix_len
             return result
         record.chunks_hit = len(plan.chunks)
-        return result._replace(host_hit_length=plan.question_start - result.device_prefix_len)
+        return result._replace(host_hit_length=plan.forward_start - result.device_prefix_len)
 
     # ---- admission: place the chunk KV into the request's own slots ---------------------------
     def init_load_back(self, params: Any):
@@ -379,17 +437,23 @@ class LinearKVRadixCache(TailReplayRadixCache):
         keep: list[int] = []   # indices of the locks held until the first forward has read the states
         try:
             p0 = record.tree_prefix_len
-            total = plan.question_start - p0
+            total = plan.forward_start - p0
             slots = self._alloc(total)
             if slots is None:
                 self._declined(req, record)
                 return 0
             self._copy_prefix(prefix_node, prefix_root, p0, slots[:plan.prefix_end - p0])
             for node, (start, end) in zip(nodes, plan.chunks):
-                src = self.tree_core.collect_full_device_indices(node, self.root_node_handle(self.chunk_namespace))
+                end = min(end, plan.forward_start)   # a replayed tail is computed by the forward
+                if end <= start:
+                    continue
+                src = self.tree_core.collect_full_device_indices(node, self.root_node_handle(self.chunk_space(req)[0]))
                 self.relocator.copy(src[:end - start], slots[start - p0:end - p0], delta=start)
-            self._seed_state(req, record, nodes, prefix_state)
-            if plan.heads and plan.state != "zero":
+            if not self._seed_state(req, record, nodes, prefix_state):
+                self.token_to_kv_pool_allocator.free(slots)
+                self._declined(req, record)
+                return 0
+            if plan.heads and not plan.seeds_zero:
                 keep = list(range(1, len(locks)))   # the seeds of EPIC's heads read these nodes' states
             elif record.state_source == "predecessor":
                 keep = [len(nodes)]                 # the question's copy-on-write reads the last chunk's
@@ -401,8 +465,8 @@ class LinearKVRadixCache(TailReplayRadixCache):
         setattr(req, READS_DONE_ATTR, None)
         req._linearkv_slots = slots
         record.assembled = True
-        record.reused_tokens = plan.chunk_tokens - plan.head_tokens
-        record.recomputed_tokens = len(req.origin_input_ids) - plan.question_start + plan.head_tokens
+        record.reused_tokens = plan.chunk_tokens - plan.recomputed_chunk_tokens
+        record.recomputed_tokens = len(req.origin_input_ids) - plan.forward_start + plan.head_tokens
         tr = record_of(req)
         if tr is not None:   # the Tail-Replay plan over P was only the fallback
             tr.plan, tr.kv_slots, tr.own_end, tr.carry = None, None, None, None
@@ -428,26 +492,46 @@ class LinearKVRadixCache(TailReplayRadixCache):
         path = self.tree_core.collect_full_device_indices(prefix_node, root)
         self.relocator.copy(path[start:start + len(dst)], dst, delta=0)
 
-    def _seed_state(self, req: Any, record: LinearKVRequest, nodes: list[Any], prefix_state: Any) -> None:
+    def _take_state_slots(self, req: Any) -> bool:
+        """Take every state slot the request will hold now, at its load: its own state and, under
+        `extra_buffer`, its ping-pong track slots (SGLang would take those after admission, when
+        the chunk states this load locks can no longer be evicted to make room, and asserts if
+        they are not there). False (nothing taken): not enough slots even after eviction."""
+        pool = self.req_to_token_pool
+        kv = req.kv
+        tracking = (pool.mamba_initial_tracking_slots
+                    if self.enable_mamba_extra_buffer and kv.mamba_ping_pong_track_buffer is None else 0)
+        needed = (0 if kv.holds_mamba else 1) + tracking
+        allocator = pool.mamba_allocator
+        if allocator.schedulable_available_size() < needed:
+            self.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=needed - allocator.schedulable_available_size()))
+        if allocator.schedulable_available_size() < needed:
+            return False
+        if not kv.holds_mamba:
+            kv.mamba_pool_idx = allocator.alloc(1)[0]
+            write_pos = pool.mamba_pool.replayssm_write_pos
+            if write_pos is not None:   # a fresh slot starts an empty ring (as SGLang's alloc does)
+                write_pos[kv.mamba_pool_idx] = 0
+        if tracking:
+            pool._alloc_ping_pong_buffer(req)
+        return True
+
+    def _seed_state(self, req: Any, record: LinearKVRequest, nodes: list[Any], prefix_state: Any) -> bool:
         """Seed the question's state slot by the plan's state rule (predecessor: a deferred
         copy-on-write of the last chunk's; zero: a deferred clear; compose: folded in now), and
         leave EPIC's heads, if any, to the worker's pre-pass (`prepass.py`), which then writes a
-        composed question seed itself (its stages overwrite the slot)."""
+        composed question seed itself (its stages overwrite the slot). False (nothing changed): no
+        state slot to be had, even after eviction; the load is then declined."""
         kv = req.kv
-        if not kv.holds_mamba:
-            slot = self.req_to_token_pool.mamba_allocator.alloc(1)
-            if slot is None:
-                self.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
-                slot = self.req_to_token_pool.mamba_allocator.alloc(1)
-            assert slot is not None, "linearkv: no free state slot for an admitted request"
-            kv.mamba_pool_idx = slot[0]
+        if not self._take_state_slots(req):
+            return False
         plan = record.plan
         kv.mamba_cow_src_index = None
         kv.mamba_needs_clear = False
         question = self._seed_after(req, plan, len(plan.chunks), nodes, prefix_state)
         if plan.state == "predecessor":
             kv.mamba_cow_src_index = question.slots[0]
-        elif plan.state == "zero":
+        elif plan.seeds_zero:
             kv.mamba_needs_clear = True
         elif not plan.heads:
             write_seed(self.req_to_token_pool, question, kv.mamba_pool_idx)
@@ -455,13 +539,14 @@ class LinearKVRadixCache(TailReplayRadixCache):
         if plan.heads:
             heads = [(s, e, self._seed_after(req, plan, j, nodes, prefix_state)) for j, (s, e) in enumerate(plan.heads)]
             setattr(req, PREPASS_ATTR, PrePass(heads, question if plan.state in COMPOSING_RULES else None))
+        return True
 
     def _seed_after(self, req: Any, plan: Any, j: int, nodes: list[Any], prefix_state: Any) -> StateSeed:
         """The state rule's seed for a span after P and chunks[:j] (the reference path's per-span
         rule, `initializers.STATE_RULES`): zero; predecessor: chunk j-1's end state (j = 0: P's,
         zero without P); compose: P's and chunks[:j]'s folded through their decays."""
         sources = ([prefix_state] if prefix_state is not None else []) + list(nodes[:j])
-        if plan.state == "zero" or not sources:
+        if plan.seeds_zero or not sources:
             return StateSeed("zero")
         slots = tuple(self.tree_core.get_component_device_value(n, ComponentType.MAMBA) for n in sources)
         if plan.state == "predecessor":
@@ -484,6 +569,14 @@ class LinearKVRadixCache(TailReplayRadixCache):
         return out
 
     # ---- release -----------------------------------------------------------------------------
+    def _free_unplaced(self, req: Any) -> None:
+        """Free assembled slots that never reached the request's row (its admission did not go
+        on after the load, or it was matched again / released before its first forward)."""
+        slots = getattr(req, "_linearkv_slots", None)
+        if slots is not None:
+            req._linearkv_slots = None
+            self.token_to_kv_pool_allocator.free(slots)
+
     def _drop_chunk_lock(self, req: Any) -> None:
         locks = getattr(req, LOCKS_ATTR, None) or []
         setattr(req, LOCKS_ATTR, None)
@@ -504,6 +597,7 @@ class LinearKVRadixCache(TailReplayRadixCache):
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         self._drop_chunk_lock(req)
+        self._free_unplaced(req)
         record = linearkv_record(req)
         if record is not None and req.finished():
             from sglang_ext.linearkv.metrics import record_request
@@ -561,7 +655,27 @@ def linearkv_cache_factory(ctx: Any) -> Any:
     cache = create_unified_radix_cache(ctx, cache_class=cache_class)
     cache.transitions = OrderedDict()
     cache.relocator = KeyRelocator(cache.token_to_kv_pool_allocator.get_kvcache(), layers)
+    hide_chunk_events(cache.tree_core.kv_events)
     return cache
+
+
+def hide_chunk_events(recorder: Any) -> None:
+    """Leave chunk registrations out of SGLang's KV events (`--kv-events-config`): a chunk's KV
+    sits at offset 0 of a namespace no prompt matches, so a router that took it for a prompt
+    prefix would route by a false affinity. Stores and removals of every other node pass."""
+    store, remove = recorder.record_store, recorder.record_remove
+
+    @functools.wraps(store)
+    def record_store(node: Any, *args: Any, **kwargs: Any) -> None:
+        if not is_chunk_namespace(node.key.extra_key):
+            store(node, *args, **kwargs)
+
+    @functools.wraps(remove)
+    def record_remove(node: Any, *args: Any, **kwargs: Any) -> None:
+        if not is_chunk_namespace(node.key.extra_key):
+            remove(node, *args, **kwargs)
+
+    recorder.record_store, recorder.record_remove = record_store, record_remove
 
 
 def chunk_namespace(server_args: Any) -> str:

@@ -61,3 +61,17 @@ def test_nemotron_h_8b_checkpoint_bytes_match_the_config():
     got = memory.nemotron_h_8b_state_bytes()
     assert got.linear_layers == 24
     assert got.bytes_per_checkpoint == _nemotron_h_by_hand(memory.NEMOTRON_H_8B)
+
+
+def test_linearkv_chunk_bytes_kv_only_against_with_states():
+    """A 512-token chunk of Qwen3-Next-80B holds 12 attention layers x K and V [2 heads, 256] bf16
+    per token (12 MiB) and, unless KV-only, a 74 MiB state: KV-only chunks fit 7x as many."""
+    qwen, nemotron = memory.chunk_bytes(tp=1, chunk_tokens=512)
+    assert (qwen.attention_layers, qwen.kv_bytes_per_token) == (12, 12 * 2 * 2 * 256 * BF16)
+    assert qwen.kv_bytes == 12 * 2**20 and qwen.state_bytes == memory.qwen3_next_80b_state_bytes().bytes_per_checkpoint
+    assert qwen.chunks_per_gib_kv_only == pytest.approx(2**30 / (12 * 2**20))
+    assert qwen.chunks_per_gib_kv_only / qwen.chunks_per_gib_with_state == pytest.approx(
+        (12 * 2**20 + qwen.state_bytes) / (12 * 2**20))
+    assert (nemotron.attention_layers, nemotron.kv_bytes_per_token) == (4, 4 * 2 * 8 * 128 * BF16)
+    # tensor parallelism shards the KV heads (never below one per rank)
+    assert memory.chunk_bytes(tp=4)[0].kv_bytes_per_token == 12 * 2 * 1 * 256 * BF16

@@ -23,3 +23,10 @@ def test_linearkv_hit_counts_epic_heads_as_recomputed():
                                              "recomputed_tokens": 64, "state_source": "predecessor"}}
     assert check_hit(rec, 2, 512, 32, epic_k=16) == []
     assert check_hit(rec, 2, 512, 32) and check_hit({**rec, "linearkv": None}, 2, 512, 32, epic_k=16)
+
+
+def test_linearkv_replay_hit_counts_its_tail_as_recomputed():
+    rec = {"L": 1024, "rep": 0, "linearkv": {"chunks_hit": 2, "chunks_missed": 0, "reused_tokens": 960,
+                                             "recomputed_tokens": 96, "state_source": "replay"}}
+    assert check_hit(rec, 2, 512, 32, state="replay") == []            # 64 replayed + 32 question
+    assert check_hit(rec, 2, 512, 32) and check_hit(rec, 2, 512, 32, state="replay-16")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+import sys
 
 import torch
+
+from eval.harness import ServerProcess
 
 NEW_TOKENS = 6
 LOGPROB_ATOL = 1e-4
@@ -45,3 +48,15 @@ def metric_total(metrics_text: str, name: str, labels: str = "") -> float:
     """Sum of a Prometheus sample over label sets (optionally those containing `labels`)."""
     pattern = rf"^{re.escape(name)}(?:{{[^}}]*{re.escape(labels)}[^}}]*}})? ([0-9.e+-]+)$"
     return sum(float(v) for v in re.findall(pattern, metrics_text, re.M))
+
+
+class OverlapServer(ServerProcess):
+    """The launcher without its CPU default `--disable-overlap-schedule`: SGLang's overlap
+    scheduler (its GPU default, under which `auto` resolves to `extra_buffer`) runs on CPU; the
+    launcher turns it off only to keep CPU runs simple."""
+
+    def command(self) -> list[str]:
+        code = ("import sys; from sglang_ext import launcher; "
+                "launcher.CPU_DEFAULTS.pop('--disable-overlap-schedule'); launcher.serve(sys.argv[1:])")
+        return [sys.executable, "-c", code, "--model-path", self.model_path,
+                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]

@@ -9,7 +9,14 @@
 - separator mode, chunked prefill of a long question, bad spans / config (400 or start-up error
   naming the field), and >= 8 concurrent clients sharing chunks in different orders under KV and
   state-pool eviction, with SGLang's strict idle pool-accounting check on (a leaked KV or state
-  slot kills the scheduler and fails every later request).
+  slot kills the scheduler and fails every later request);
+- production traffic: truncated prompts, fuzzed requests with aborts and early disconnects,
+  tenants kept apart, KV events without chunk registrations.
+
+The GDN server runs SGLang's GPU configuration: the overlap scheduler on and
+`--mamba-radix-cache-strategy extra_buffer` (a chunk registration keeps its end state at the
+chunk's end, not on the tracking grid); the Mamba-2 server runs `no_buffer` and publishes KV events.
+Both truncate over-long prompts (`--allow-auto-truncate`, context 1024).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
 
@@ -26,15 +34,23 @@ import pytest
 import requests
 import torch
 
-from eval.harness import ServerProcess, start_servers, stop_servers
+from eval.harness import ServerProcess, free_port, start_servers, stop_servers
 from eval.reference import load_reference_model
 from sglang_ext.linearkv import parse_selector
 from sglang_ext.linearkv import reference as R
-from tests.e2e.serving import metric_total
+from tests.e2e.serving import OverlapServer, metric_total
 
 ARCHS = ("qwen3-next", "nemotron-h")
 KV_TOKENS = 3000
 STATE_SLOTS = 12
+CONTEXT = 1024
+#: per server: launcher class, extra flags (the GDN server holds 3 slots per running request under
+#: extra_buffer with overlap, its state and two ping-pong slots, so it gets 8 more)
+SETUP = {
+    "qwen3-next": (OverlapServer, ["--mamba-radix-cache-strategy", "extra_buffer", "--mamba-track-interval", "64",
+                                   "--max-mamba-cache-size", str(STATE_SLOTS + 8)]),
+    "nemotron-h": (ServerProcess, ["--max-mamba-cache-size", str(STATE_SLOTS)]),
+}
 CHUNK = 48
 NEW = 5
 LOGPROB_ATOL = 1e-3
@@ -45,12 +61,20 @@ SEP = " # # "
 def served(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("linearkv_logs")
     models = {arch: tiny_model_factory(arch) for arch in ARCHS}
-    procs = {arch: ServerProcess(str(models[arch]), [
-        "--dtype", "float32", "--radix-cache-backend", "linearkv", "--enable-metrics",
-        "--linearkv-config", json.dumps({"min_chunk_tokens": 8, "separator": SEP}),
-        "--chunked-prefill-size", "64", "--max-total-tokens", str(KV_TOKENS),
-        "--max-mamba-cache-size", str(STATE_SLOTS), "--mem-fraction-static", "0.5"],
-        log_path=logs / f"{arch}.log") for arch in ARCHS}
+    events_port = free_port()
+    procs = {}
+    for arch in ARCHS:
+        cls, flags = SETUP[arch]
+        if arch == "nemotron-h":
+            flags = [*flags, "--kv-events-config", json.dumps(
+                {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}", "bind": True})]
+        procs[arch] = cls(str(models[arch]), [
+            "--dtype", "float32", "--radix-cache-backend", "linearkv", "--enable-metrics",
+            "--linearkv-config", json.dumps({"min_chunk_tokens": 8, "separator": SEP}),
+            "--chunked-prefill-size", "64", "--max-total-tokens", str(KV_TOKENS), "--allow-auto-truncate",
+            "--context-length", str(CONTEXT), "--mem-fraction-static", "0.5", *flags],
+            log_path=logs / f"{arch}.log")
+        procs[arch].events_port = events_port if arch == "nemotron-h" else None
     with mock.patch.dict(os.environ, {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}):   # inherited at launch
         start_servers(list(procs.values()))
     try:
@@ -110,6 +134,23 @@ def test_one_chunk_at_offset_zero_reproduces_full_prefill(served, arch, k):
     torch.testing.assert_close(torch.tensor(_logprobs(got)), torch.tensor(_logprobs(ref)), atol=1e-4, rtol=0)
 
 
+#: rules served on both models (compose: Mamba-2 only); replay-16 reads no chunk state
+STATES = ("predecessor", "zero", "replay-16")
+
+
+def _expected(prefix, chunks, question, state, selector="none") -> dict:
+    """The linearkv summary of an all-hit request, from the server's own plan."""
+    from sglang_ext.linearkv.serving import LinearKVConfig, plan_chunks
+
+    ids, spans = _layout(prefix, chunks)
+    plan = plan_chunks({"chunks": spans, "state": state, "selector": selector}, len(ids) + len(question),
+                       LinearKVConfig(min_chunk_tokens=8))
+    return {"chunks_hit": len(chunks), "chunks_missed": 0,
+            "reused_tokens": plan.chunk_tokens - plan.recomputed_chunk_tokens,
+            "recomputed_tokens": len(ids) + len(question) - plan.forward_start + plan.head_tokens,
+            "state_source": plan.state, "selector": selector}
+
+
 @pytest.fixture(scope="module")
 def reference_models(served):
     _, models = served
@@ -121,13 +162,13 @@ def reference_models(served):
     return out
 
 
-@pytest.mark.parametrize(("arch", "state"), [(arch, state) for arch in ARCHS for state in ("predecessor", "zero")]
+@pytest.mark.parametrize(("arch", "state"), [(arch, state) for arch in ARCHS for state in STATES]
                          + [("nemotron-h", "compose")])
 def test_reordered_chunks_after_a_cached_prefix_match_the_reference_path(served, reference_models, arch, state):
     procs, _ = served
     server = procs[arch]
     model, layout = reference_models[arch]
-    seed = {"predecessor": 10, "zero": 20, "compose": 40}[state]
+    seed = {"predecessor": 10, "zero": 20, "compose": 40, "replay-16": 30}[state]
     prefix = _ids(24, seed)
     chunks = [_ids(CHUNK, seed + 1), _ids(CHUNK - 5, seed + 2), _ids(CHUNK + 11, seed + 3)]
     question = _ids(12, seed + 4)
@@ -136,10 +177,12 @@ def test_reordered_chunks_after_a_cached_prefix_match_the_reference_path(served,
     # P is in no radix-tree path yet: its own registration at offset 0 serves its exact KV
     assert _details(first)["chunks_hit"] == 3, _details(first)
     got = ask(server, prefix, order, question, state=state)
-    details = _details(got)
-    assert details["chunks_hit"] == 3 and details["chunks_missed"] == 0
-    assert details["reused_tokens"] == sum(map(len, chunks)) and details["state_source"] == state
-    assert details["recomputed_tokens"] == len(question)
+    expected = _expected(prefix, order, question, state)
+    assert _details(got) == expected
+    if not state.startswith("replay"):
+        assert expected["reused_tokens"] == sum(map(len, chunks)) and expected["recomputed_tokens"] == len(question)
+    else:   # the last chunk's last 16 tokens are replayed from zero before the question
+        assert expected["recomputed_tokens"] == len(question) + 16
 
     entries = [R.register(model, layout, c, transitions=state == "compose") for c in order]
     ref = R.assemble(model, layout, entries, question, parse_selector("none"), state, prefix_ids=prefix)
@@ -152,7 +195,7 @@ def test_reordered_chunks_after_a_cached_prefix_match_the_reference_path(served,
 EPIC_K = 12
 
 
-@pytest.mark.parametrize(("arch", "state"), [(arch, state) for arch in ARCHS for state in ("predecessor", "zero")]
+@pytest.mark.parametrize(("arch", "state"), [(arch, state) for arch in ARCHS for state in STATES]
                          + [("nemotron-h", "compose")])
 def test_epic_heads_recomputed_in_context_match_the_reference_path(served, reference_models, arch, state):
     """EPIC-12 (a chunk shorter than k is recomputed whole): the heads run in the worker's
@@ -161,7 +204,7 @@ def test_epic_heads_recomputed_in_context_match_the_reference_path(served, refer
     procs, _ = served
     server = procs[arch]
     model, layout = reference_models[arch]
-    seed = {"predecessor": 50, "zero": 60, "compose": 70}[state]
+    seed = {"predecessor": 50, "zero": 60, "compose": 70, "replay-16": 80}[state]
     prefix = _ids(20, seed)
     chunks = [_ids(CHUNK, seed + 1), _ids(9, seed + 2), _ids(CHUNK + 11, seed + 3)]
     question = _ids(10, seed + 4)
@@ -169,9 +212,12 @@ def test_epic_heads_recomputed_in_context_match_the_reference_path(served, refer
     ask(server, prefix, chunks[::-1], _ids(4, seed + 5), state=state, selector=selector)   # registers
     got = ask(server, prefix, chunks, question, state=state, selector=selector)
     heads = EPIC_K + 9 + EPIC_K
-    assert _details(got) == {"chunks_hit": 3, "chunks_missed": 0, "reused_tokens": sum(map(len, chunks)) - heads,
-                             "recomputed_tokens": len(question) + heads, "state_source": state,
-                             "selector": selector}
+    expected = _expected(prefix, chunks, question, state, selector)
+    assert _details(got) == expected
+    if not state.startswith("replay"):
+        assert expected["recomputed_tokens"] == len(question) + heads
+    else:   # chunk 1's head starts 16 tokens back into chunk 0, the question 16 tokens back
+        assert expected["recomputed_tokens"] == len(question) + heads + 16 + 16
 
     entries = [R.register(model, layout, c, transitions=state == "compose") for c in chunks]
     ref = R.assemble(model, layout, entries, question, parse_selector(selector), state, prefix_ids=prefix)
@@ -179,7 +225,7 @@ def test_epic_heads_recomputed_in_context_match_the_reference_path(served, refer
     ref_ids, ref_lp = R.greedy(model, ref.cache, ref.logits[-1], n, NEW)
     assert got["output_ids"] == ref_ids
     torch.testing.assert_close(torch.tensor(_logprobs(got)), torch.tensor(ref_lp), atol=LOGPROB_ATOL, rtol=0)
-    if state != "zero":
+    if state in ("predecessor", "compose"):
         # and not the selector-none output: the heads' seeds changed their KV. (Under zero, a head
         # whose first attention layer follows every linear layer, as in the GDN fixture, gets back
         # its cached KV: only later attention layers would see the earlier chunks.)
@@ -329,3 +375,213 @@ def test_bad_config_fails_at_start_naming_the_key(tiny_model_factory, config, ne
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+# ---- production traffic ----------------------------------------------------------------------
+
+
+def _post(server, payload: dict, timeout: float = 120) -> requests.Response:
+    return requests.post(f"{server.url}/generate", json=payload, timeout=timeout)
+
+
+def _alive(server) -> None:
+    """The server is up and its pools add up: SGLang's strict idle check (on in these servers)
+    raises in the scheduler on a leaked KV or state slot, which takes the server down."""
+    assert server.proc.poll() is None, server.log_text()[-3000:]
+    out = server.generate(input_ids=_ids(30, 7), sampling_params={"max_new_tokens": 2})
+    assert len(out["output_ids"]) == 2
+    assert server.proc.poll() is None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_truncated_prompt_is_a_plain_prefill_not_a_dead_scheduler(served, arch):
+    """The issue's repro: 1,500 ids with chunks up to token 1,400 on a server with
+    --allow-auto-truncate and context 1024 killed the scheduler. Now: the prompt is served as a
+    plain prefill and meta_info says so; a truncated prompt whose chunks end before the cut is
+    served from its chunks."""
+    procs, _ = served
+    server = procs[arch]
+    ids = _ids(1500, 31)
+    resp = _post(server, {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "custom_params": {"linearkv": {"chunks": [[200, 700], [700, 1400]]}}}})
+    assert resp.status_code == 200, resp.text
+    details = _details(resp.json())
+    assert details["chunks_hit"] == 0 and details["chunks_missed"] == 2 and "fallback" in details, details
+    assert details["recomputed_tokens"] <= CONTEXT
+    first = [[100, 400], [400, 700]]
+    for _ in range(2):   # the second one hits the chunks the first registered
+        resp = _post(server, {"input_ids": ids, "sampling_params": {
+            "max_new_tokens": 3, "temperature": 0, "custom_params": {"linearkv": {"chunks": first}}}})
+        assert resp.status_code == 200, resp.text
+    details = _details(resp.json())
+    assert details["chunks_hit"] == 2 and "fallback" not in details, details
+    _alive(server)
+
+
+def _fuzz_request(rng: random.Random, arch: str, pool: list[list[int]], i: int) -> tuple[str, dict]:
+    """(kind, /generate payload) of one fuzzed request."""
+    kind = rng.choice(["valid", "valid", "bad", "truncate", "logprob", "separator", "abort", "stream", "plain"])
+    prefix = _ids(rng.choice([0, 5, 24]), 7000 + i)
+    chunks = [rng.choice(pool)[:rng.randint(1, 64)] if rng.random() < 0.7 else _ids(rng.randint(1, 64), 8000 + i)
+              for _ in range(rng.randint(1, 4))]
+    question = _ids(rng.randint(1, 12), 9000 + i)
+    if kind == "truncate":
+        chunks.append(_ids(rng.randint(900, 1400), 9500 + i))
+    ids, spans = _layout(prefix, chunks)
+    ids += question
+    linearkv: dict = {"chunks": spans}
+    states = ["predecessor", "zero"] + (["compose"] if arch == "nemotron-h" else [])
+    if rng.random() < 0.5:
+        linearkv["state"] = rng.choice(states)
+    if rng.random() < 0.5:
+        linearkv["selector"] = rng.choice(["none", "epic", f"epic-{rng.randint(0, 9)}"])
+    params: dict = {"max_new_tokens": rng.randint(1, 4), "temperature": 0}
+    payload: dict = {"input_ids": ids, "sampling_params": params}
+    if kind == "bad":
+        bad = [[[0, 5], [3, 9]], [[0, len(ids)]], [[-1, 4]], [[0, 2.5]], [["a", 3]], [], [[0, 4], [6, 9]],
+               [[0, 10 ** 9]], [[4, 4]], {"0": 3}]
+        linearkv["chunks"] = rng.choice(bad)
+    elif kind == "logprob":
+        payload.update(return_logprob=True, logprob_start_len=rng.randrange(0, len(ids)))
+    elif kind == "separator":
+        words = ["alpha", "beta", "gamma", "delta", "river", "stone"]
+        parts = [" ".join(rng.choices(words, k=rng.randint(1, 30))) for _ in range(rng.randint(3, 5))]
+        payload = {"text": SEP.join(parts), "sampling_params": params}
+        linearkv = {"separator": SEP} if arch == "nemotron-h" else {}
+    elif kind == "abort":
+        payload["rid"] = f"fuzz-{arch}-{i}"
+    elif kind == "stream":
+        payload["stream"] = True
+    if kind != "plain" and linearkv:
+        params["custom_params"] = {"linearkv": linearkv}
+    return kind, payload
+
+
+def _send_fuzzed(server, kind: str, payload: dict, rng: random.Random) -> tuple[str, int, str]:
+    if kind == "abort":
+        delay = rng.uniform(0, 0.3)
+
+        def abort() -> None:
+            time.sleep(delay)
+            requests.post(f"{server.url}/abort_request", json={"rid": payload["rid"]}, timeout=30)
+
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(abort)
+            resp = _post(server, payload)
+            fut.result()
+        return kind, resp.status_code, resp.text[:300]
+    if kind == "stream":   # the client goes away after the first event
+        with requests.post(f"{server.url}/generate", json=payload, timeout=120, stream=True) as resp:
+            next(resp.iter_lines(), None)
+            return kind, resp.status_code, ""
+    resp = _post(server, payload)
+    return kind, resp.status_code, resp.text[:300]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fuzzed_requests_leave_the_server_up_and_the_pools_clean(served, arch):
+    """48 seeded random requests, 6 at a time: valid chunk layouts (shared and new chunks, tiny
+    ones joined, every state rule and selector), malformed spans, prompts cut by
+    --allow-auto-truncate, input logprobs from anywhere, separator prompts, aborts at random
+    moments (registration, assembly, forward) and streams dropped after their first event. Every
+    answer is a 200 or a 400 naming the field (aborted ones: whatever SGLang answers an abort);
+    afterwards the server is up and SGLang's strict idle pool check is clean."""
+    procs, _ = served
+    server = procs[arch]
+    rng = random.Random(ARCHS.index(arch))
+    pool = [_ids(64, 600 + j) for j in range(5)]
+    jobs = [(*_fuzz_request(rng, arch, pool, i), random.Random(i)) for i in range(48)]
+    with ThreadPoolExecutor(6) as ex:
+        answers = list(ex.map(lambda job: _send_fuzzed(server, *job), jobs))
+    for kind, status, text in answers:
+        if kind == "bad":
+            assert status == 400 and "custom_params.linearkv" in text, (kind, status, text)
+        elif kind != "abort":
+            assert status == 200, (kind, status, text)
+    time.sleep(1.0)   # idle: the strict pool check runs
+    _alive(server)
+    assert "Traceback" not in server.log_text(), server.log_text()[-4000:]
+
+
+def test_tenants_do_not_share_chunks(served):
+    """Chunks are registered per tenant (`extra_key`, cache salt), as SGLang keys its own prefix
+    cache: another tenant's identical request registers its chunks afresh (a cold request's
+    cached tokens), its own second request reuses them."""
+    procs, _ = served
+    server = procs["qwen3-next"]
+    chunks, question = [_ids(CHUNK, 4100), _ids(CHUNK, 4101)], _ids(5, 4102)
+
+    def cached(**tenant) -> float:
+        def total() -> float:
+            return metric_total(requests.get(f"{server.url}/metrics", timeout=30).text, "sglang:cached_tokens_total")
+        before = total()
+        ask(server, _ids(16, 4103), chunks, question, **tenant)
+        time.sleep(0.3)
+        return total() - before
+
+    cold, warm = cached(extra_key="tenant-a"), cached(extra_key="tenant-a")
+    assert warm > cold
+    assert cached(extra_key="tenant-b") == cold
+    assert cached(extra_key="tenant-b") == warm
+    assert cached(extra_key="tenant-b", cache_salt="salt-1") == cold
+    resp = _post(server, {"input_ids": _ids(40, 4104), "extra_key": "linearkv-chunk:x", "sampling_params": {
+        "max_new_tokens": 1, "custom_params": {"linearkv": {"chunks": [[0, 20]]}}}})
+    assert resp.status_code == 400 and "extra_key" in resp.text
+
+
+def test_kv_only_rules_register_no_chunk_state(served):
+    """A `replay` request's registrations keep only the chunks' KV (no state slot): a later
+    `predecessor` request with the same chunks registers them again (a cold request's cached
+    tokens) and adds their states; a `replay` request after it hits them without re-registering."""
+    procs, _ = served
+    server = procs["nemotron-h"]
+
+    calls = iter(range(4210, 4300))
+
+    def cached(chunks, state) -> float:   # a new P each time: only the chunks' registrations differ
+        def total() -> float:
+            return metric_total(requests.get(f"{server.url}/metrics", timeout=30).text, "sglang:cached_tokens_total")
+        before = total()
+        assert _details(ask(server, _ids(16, next(calls)), chunks, _ids(5, 4201), state=state))["chunks_hit"] == 2
+        time.sleep(0.3)
+        return total() - before
+
+    seen, fresh = [_ids(CHUNK, 4202), _ids(CHUNK, 4203)], [_ids(CHUNK, 4204), _ids(CHUNK, 4205)]
+    replay_cold = cached(seen, "replay-16")
+    cold = cached(fresh, "predecessor")
+    assert cached(seen, "predecessor") == cold        # the KV-only chunks were registered again
+    warm = cached(seen, "predecessor")
+    assert warm > cold
+    # chunks with states serve KV-only rules too: the registrations hit, as the predecessor ones did
+    assert cached(seen, "replay-16") - replay_cold == warm - cold
+
+
+def test_kv_events_leave_chunk_registrations_out(served):
+    """A router fed by the worker's KV events (`--kv-events-config`) must not see chunk
+    registrations as prompt prefixes: the stored blocks hold the request's P (tokens below 100
+    here) and never a chunk's tokens (100..199), which sit only in the chunk namespace."""
+    import msgspec
+    import zmq
+
+    procs, _ = served
+    server = procs["nemotron-h"]
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{server.events_port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        time.sleep(1.0)   # the subscription reaches the publisher
+        rng = random.Random(5)
+        prefix = [rng.randrange(10, 100) for _ in range(40)]
+        chunks = [[rng.randrange(100, 200) for _ in range(CHUNK)] for _ in range(2)]
+        ask(server, prefix, chunks, [rng.randrange(200, 300) for _ in range(5)])
+        ask(server, prefix, chunks[::-1], [rng.randrange(200, 300) for _ in range(5)])
+        stored: list[int] = []
+        while sub.poll(2000):   # every event the two requests caused, until 2 s of silence
+            _, _, payload = sub.recv_multipart()
+            batch = msgspec.msgpack.decode(payload)
+            stored += [t for event in batch[1] if event.get("type") == "BlockStored" for t in event["token_ids"]]
+    finally:
+        sub.close(0)
+    assert set(prefix) <= set(stored), "P's blocks were published"
+    assert not [t for t in stored if 100 <= t < 200], "a chunk registration was published"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from unittest import mock
@@ -31,7 +30,7 @@ import requests
 
 from eval.harness import ServerProcess, start_servers, stop_servers
 from eval.reference import greedy_reference, load_reference_model
-from tests.e2e.serving import LOGPROB_ATOL, assert_matches_reference, random_prompt
+from tests.e2e.serving import LOGPROB_ATOL, OverlapServer, assert_matches_reference, random_prompt
 
 DOC, QUESTION, NEW = 240, 10, 12
 DOCS, QUESTIONS = 3, 3                  # 9 concurrent clients over 3 shared documents
@@ -46,17 +45,6 @@ SERVERS = {
 #: SGLang's pool checks, on (strict: a leak raises in the scheduler)
 CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1"}
 SANITY_METRIC = re.compile(r'^sglang:scheduler_stage_seconds_total\{category="sanity_check_cache"[^}]*\} (\S+)$', re.M)
-
-
-class OverlapServer(ServerProcess):
-    """The launcher without its CPU default `--disable-overlap-schedule` (SGLang's overlap
-    scheduler runs on CPU; the launcher turns it off only to keep CPU runs simple)."""
-
-    def command(self) -> list[str]:
-        code = ("import sys; from sglang_ext import launcher; "
-                "launcher.CPU_DEFAULTS.pop('--disable-overlap-schedule'); launcher.serve(sys.argv[1:])")
-        return [sys.executable, "-c", code, "--model-path", self.model_path,
-                "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -40,6 +42,32 @@ def test_one_chunk_without_prefix_is_a_plain_continuation(tiny):
         out, lp = R.greedy(model, got.cache, got.logits[-1], len(ids), 6)
         assert out == ref_out, rule
         assert lp == pytest.approx(ref_lp, abs=1e-4)
+
+
+def test_replay_rule_rebuilds_the_state_from_a_tail(tiny):
+    """KV-only `replay-<r>`: a replay that reaches back to the prompt's start (one chunk, no
+    prefix) recomputes every token from the zero state in context: the full prefill. A short one
+    recomputes only its tail (and the question) and reads no chunk state: a chunk stored with its
+    linear states zeroed gives the same answer; with r = 0 tokens it is the `zero` rule."""
+    model, layout = tiny
+    ids = _ids(150, 1)
+    chunk, question = ids[:130], ids[130:]
+    store = R.new_store(layout)
+    entry = R.register(model, layout, chunk, store)
+    full = R.full_prefill(model, layout, chunk, question)
+    whole = R.assemble(model, layout, [entry.chunk_id], question, parse_selector("none"), "replay-130", store=store)
+    assert whole.recomputed == list(range(150))
+    torch.testing.assert_close(whole.logits, full.logits, atol=1e-5, rtol=1e-5)
+    tail = R.assemble(model, layout, [entry.chunk_id], question, parse_selector("none"), "replay-24", store=store)
+    assert tail.recomputed == list(range(106, 150))
+    blank = dataclasses.replace(entry, linear={
+        i: R.LinearLayerState(torch.zeros_like(s.state), torch.zeros_like(s.conv)) for i, s in entry.linear.items()})
+    tail_blank = R.assemble(model, layout, [blank], question, parse_selector("none"), "replay-24")
+    torch.testing.assert_close(tail_blank.logits, tail.logits, atol=0, rtol=0)
+    # the 24 replayed tokens bring it closer to the full prefill than starting the question from zero
+    zero = R.assemble(model, layout, [entry.chunk_id], question, parse_selector("none"), "zero", store=store)
+    err = [(x.logits - full.logits).abs().max().item() for x in (tail, zero)]
+    assert err[0] < err[1], err
 
 
 def test_exact_composition_equals_sequential_prefill(tiny):

@@ -121,15 +121,97 @@ def test_summary_and_server_flags():
     assert summary(record) == {"chunks_hit": 1, "chunks_missed": 0, "reused_tokens": 8, "recomputed_tokens": 3,
                                "state_source": "zero", "selector": "none"}
 
-    class Args:
-        radix_cache_backend, page_size, mamba_scheduler_strategy = "linearkv", 16, "no_buffer"
+    assert summary(LinearKVRequest(chunks_missed=2, recomputed_tokens=40, fallback="cut")) == {
+        "chunks_hit": 0, "chunks_missed": 2, "reused_tokens": 0, "recomputed_tokens": 40,
+        "state_source": "none", "selector": "none", "fallback": "cut"}
+
+
+@pytest.fixture(scope="module")
+def server_args(tiny_model_factory):
+    """SGLang's own ServerArgs (the object check_server_flags reads in the server) for a tiny
+    hybrid model, before SGLang resolves `auto`."""
+    from sglang.srt.server_args import ServerArgs
+
+    import patches  # noqa: F401  (the CPU patches SGLang needs to import here)
+
+    path = str(tiny_model_factory("qwen3-next"))
+
+    def make(**flags):
+        return ServerArgs(model_path=path, device="cpu", radix_cache_backend="linearkv", **flags)
+
+    return make
+
+
+def test_server_flags_on_sglangs_server_args(server_args):
+    for strategy in ("no_buffer", "extra_buffer", "auto"):   # auto resolves to one of the two
+        check_server_flags(server_args(mamba_radix_cache_strategy=strategy))
+    with pytest.raises(ValueError, match="--mamba-radix-cache-strategy extra_buffer_lazy"):
+        check_server_flags(server_args(mamba_radix_cache_strategy="extra_buffer_lazy"))
     with pytest.raises(ValueError, match="--page-size 1"):
-        check_server_flags(Args())
-    Args.page_size, Args.mamba_scheduler_strategy = 1, "extra_buffer"
-    with pytest.raises(ValueError, match="no_buffer"):
-        check_server_flags(Args())
-    Args.mamba_scheduler_strategy, Args.enable_dp_attention = "no_buffer", True
+        check_server_flags(server_args(page_size=16))
+    with pytest.raises(ValueError, match="--enable-hierarchical-cache"):
+        check_server_flags(server_args(enable_hierarchical_cache=True))
     with pytest.raises(ValueError, match="--enable-dp-attention"):
-        check_server_flags(Args())
-    Args.radix_cache_backend = "tail_replay"
-    check_server_flags(Args())
+        check_server_flags(server_args(enable_dp_attention=True))
+    args = server_args(mamba_radix_cache_strategy="extra_buffer_lazy")
+    args.radix_cache_backend = "tail_replay"
+    check_server_flags(args)   # other backends pass
+
+
+def test_tenant_namespaces_are_apart_and_recognised():
+    from sglang_ext.linearkv.serving import is_chunk_namespace, namespace, tenant_namespace
+
+    ns = namespace("m")
+    keys = {tenant_namespace(ns, k) for k in (None, "", "a", "b")}
+    assert len(keys) == 3   # None and "" are the same (no extra_key), as SGLang normalizes them
+    assert all(is_chunk_namespace(k) for k in keys)
+    assert not is_chunk_namespace(None) and not is_chunk_namespace("tenant-a")
+    # a registration's key (+ the LoRA id SGLang appends) is the key its request looks up
+    assert tenant_namespace(ns, "a") + "lora7" == tenant_namespace(ns, "a" + "lora7")
+
+
+def test_kv_events_recorder_leaves_chunk_nodes_out():
+    """SGLang's own recorder: a chunk node is neither stored nor removed, a prompt node is."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.events import KVCacheEventRecorder
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    from sglang_ext.linearkv.sglang_cache import hide_chunk_events
+
+    recorder = KVCacheEventRecorder(enabled=True, page_size=1)
+    hide_chunk_events(recorder)
+    root = SimpleNamespace(parent=None, hash_value=[], event_hash_value=[], key=RadixKey([]))
+
+    def node(ids, extra_key):
+        return SimpleNamespace(key=RadixKey(ids, extra_key), parent=root, hash_value=None, event_hash_value=None)
+
+    chunk, prompt = node([5, 6, 7], "linearkv-chunk:m|"), node([1, 2], None)
+    for n in (chunk, prompt):
+        recorder.record_store(n)
+        recorder.record_remove(n)
+    events = recorder.take()
+    assert [type(e).__name__ for e in events] == ["BlockStored", "BlockRemoved"]
+    assert events[0].token_ids == [1, 2]
+
+
+def test_replay_rule_plans_its_spans():
+    from sglang_ext.linearkv.serving import keeps_state, state_rule
+
+    assert state_rule("replay") == ("replay", 64) and state_rule("replay-8") == ("replay", 8)
+    assert state_rule("zero") == ("zero", 0) and state_rule("replay-0") == ("replay-0", 0)
+    with pytest.raises(ValueError, match="custom_params.linearkv.state"):
+        plan_chunks({"chunks": [[10, 30]], "state": "replay-x"}, 40, LinearKVConfig())
+    plan = plan_chunks({"chunks": [[10, 30], [30, 60]], "state": "replay-16"}, 70, LinearKVConfig())
+    assert (plan.state, plan.replay, plan.forward_start, plan.heads) == ("replay", 16, 44, ())
+    assert plan.recomputed_chunk_tokens == 16 and plan.seeds_zero and not keeps_state(plan)
+    # never back into P: a replay longer than the chunks starts at P's end
+    assert plan_chunks({"chunks": [[10, 30]], "state": "replay"}, 40, LinearKVConfig()).forward_start == 10
+    # EPIC: head j > 0 starts up to r tokens back, never before head j-1's end; the question too
+    epic = ChunkPlan(((10, 14), (14, 60)), "replay", k=4, replay=8)
+    assert epic.heads == ((10, 14), (14, 18)) and epic.forward_start == 52
+    epic = ChunkPlan(((10, 30), (30, 60)), "replay", k=4, replay=8)
+    assert epic.heads == ((10, 14), (22, 34)) and epic.forward_start == 52
+    assert epic.head_tokens == 16 and epic.recomputed_chunk_tokens == 24
+    assert ChunkPlan(((10, 30),), "predecessor", k=4).forward_start == 30
+    assert keeps_state(ChunkPlan(((10, 30),), "predecessor")) and keeps_state(ChunkPlan(((10, 30),), "compose"))
