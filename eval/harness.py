@@ -48,6 +48,8 @@ class ServerProcess:
     log_path: Path | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    #: environment variables set for this server only (on top of this process's)
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -64,7 +66,7 @@ class ServerProcess:
         """Start the process without waiting (several servers can then boot side by side)."""
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **self.env} if self.env else None)
         return self
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:

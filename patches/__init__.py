@@ -16,7 +16,9 @@ request through them): `tail_replay_request` (request check on arrival), `tail_r
 forward batch, metrics), `tail_replay_attention` and `tail_replay_prefill_graph` (exact cached K/V
 for the tail), `tail_replay_gdn_bound` and `tail_replay_mamba2_bound` (each approximate replay's
 state bound from its tail's gates), `tail_replay_meta` (the per-request summaries in meta_info,
-Tail-Replay's and LinearKV's), `tail_replay_audit` (the live quality audit: the first output's
+Tail-Replay's and LinearKV's), `ipc_json` (request fields and
+those summaries across SGLang's IPC in both modes; after the audit's patch, so its decoding runs
+first), `tail_replay_audit` (the live quality audit: the first output's
 logits of audited requests, their exact reference runs sent by the tokenizer process),
 `linearkv_request` (LinearKV: chunks found and registered on arrival), `linearkv_prepass`
 (LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward).
@@ -58,7 +60,7 @@ CPU_PATCHES: tuple[str, ...] = (
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
                                 "tail_replay_gdn_bound", "tail_replay_mamba2_bound", "tail_replay_meta",
-                                "tail_replay_audit", "tail_replay_request", "tail_replay_sizing", "tail_replay_pages",
+                                "tail_replay_audit", "ipc_json", "tail_replay_request", "tail_replay_sizing", "tail_replay_pages",
                                 "request_token_ids", "linearkv_request", "linearkv_prepass",
                                 "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat",
                                 "mamba_conv_dtype")

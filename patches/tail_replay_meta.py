@@ -5,6 +5,10 @@ Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and 
 `replay_summary(record)` (the plan, and for an approximate hit the state bound from its tail's
 gates); requests without a plan (no Tail-Replay match) keep SGLang's details unchanged.
 
+Each summary is written as `patches.ipc_json.encode(summary)` (a tagged JSON string: SGLang's IPC
+types the field `Dict[str, Union[int, str]]`), and turned back into an object in the tokenizer
+process by `patches.ipc_json.py`, so clients see nested JSON under both IPC modes.
+
 Target (SGLang 0.5.23): `srt/managers/scheduler_components/output_streamer.py::
 SchedulerOutputStreamer.get_cached_tokens_details`.
 """
@@ -21,17 +25,18 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_cached_tokens_details(self, req):
         details = original(self, req)
+        from patches.ipc_json import encode
         from sglang_ext.tail_replay import META_KEY, record_of, replay_summary
 
         record = record_of(req)
         if record is not None and record.plan is not None:
-            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: replay_summary(record, len(req.origin_input_ids))}
+            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(replay_summary(record, len(req.origin_input_ids)))}
         linearkv = getattr(req, "_linearkv_record", None)
         if linearkv is not None and not linearkv.register and (linearkv.plan is not None or linearkv.fallback):
             from sglang_ext.linearkv import META_KEY as LINEARKV_KEY
             from sglang_ext.linearkv import summary
 
-            details = {**(details or {"device": req.cached_tokens, "host": 0}), LINEARKV_KEY: summary(linearkv)}
+            details = {**(details or {"device": req.cached_tokens, "host": 0}), LINEARKV_KEY: encode(summary(linearkv))}
         return details
 
     return get_cached_tokens_details

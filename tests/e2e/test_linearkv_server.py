@@ -15,7 +15,9 @@
 
 The GDN server runs SGLang's GPU configuration: the overlap scheduler on and
 `--mamba-radix-cache-strategy extra_buffer` (a chunk registration keeps its end state at the
-chunk's end, not on the tracking grid); the Mamba-2 server runs `no_buffer` and publishes KV events.
+chunk's end, not on the tracking grid); the Mamba-2 server runs `no_buffer`, publishes KV events
+and uses SGLang's typed msgpack IPC (`SGLANG_USE_PICKLE_IPC=0`: the request fields and meta_info
+summaries cross it encoded, `patches/ipc_json.py`), the GDN server pickle IPC (the default).
 Both truncate over-long prompts (`--allow-auto-truncate`, context 1024).
 """
 
@@ -65,15 +67,17 @@ def served(tiny_model_factory, tmp_path_factory):
     procs = {}
     for arch in ARCHS:
         cls, flags = SETUP[arch]
+        env = {}
         if arch == "nemotron-h":
             flags = [*flags, "--kv-events-config", json.dumps(
                 {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}", "bind": True})]
+            env = {"SGLANG_USE_PICKLE_IPC": "0"}   # SGLang's typed msgpack IPC (the GDN server: pickle)
         procs[arch] = cls(str(models[arch]), [
             "--dtype", "float32", "--radix-cache-backend", "linearkv", "--enable-metrics",
             "--linearkv-config", json.dumps({"min_chunk_tokens": 8, "separator": SEP}),
             "--chunked-prefill-size", "64", "--max-total-tokens", str(KV_TOKENS), "--allow-auto-truncate",
             "--context-length", str(CONTEXT), "--mem-fraction-static", "0.5", *flags],
-            log_path=logs / f"{arch}.log")
+            log_path=logs / f"{arch}.log", env=env)
         procs[arch].events_port = events_port if arch == "nemotron-h" else None
     with mock.patch.dict(os.environ, {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}):   # inherited at launch
         start_servers(list(procs.values()))
@@ -96,11 +100,11 @@ def _layout(prefix: list[int], chunks: list[list[int]]) -> tuple[list[int], list
     return prefix + [t for c in chunks for t in c], spans
 
 
-def ask(server, prefix, chunks, question, new=NEW, state=None, selector=None, **extra):
+def ask(server, prefix, chunks, question, new=NEW, state=None, selector=None, custom_extra=None, **extra):
     ids, spans = _layout(prefix, chunks)
     linearkv = {"chunks": spans, **({"state": state} if state else {}), **({"selector": selector} if selector else {})}
     return server.generate(input_ids=ids + question, return_logprob=True, **extra, sampling_params={
-        "max_new_tokens": new, "temperature": 0, "custom_params": {"linearkv": linearkv}})
+        "max_new_tokens": new, "temperature": 0, "custom_params": {"linearkv": linearkv, **(custom_extra or {})}})
 
 
 def full(server, ids, new=NEW):
@@ -527,6 +531,23 @@ def test_tenants_do_not_share_chunks(served):
     resp = _post(server, {"input_ids": _ids(40, 4104), "extra_key": "linearkv-chunk:x", "sampling_params": {
         "max_new_tokens": 1, "custom_params": {"linearkv": {"chunks": [[0, 20]]}}}})
     assert resp.status_code == 400 and "extra_key" in resp.text
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_request_fields_and_meta_info_cross_both_ipc_modes(served, arch):
+    """Nested custom_params (chunk spans, a Tail-Replay override) reach the scheduler and nested
+    summaries come back as objects under pickle IPC (GDN server) and msgpack IPC (Mamba-2 server,
+    where SGLang's typed decoding refused them and took the scheduler down)."""
+    procs, _ = served
+    server = procs[arch]
+    got = ask(server, _ids(12, 4300), [_ids(20, 4301), _ids(20, 4302)], _ids(4, 4303),
+              custom_extra={"tail_replay": {"budget": 0.5}})
+    details = got["meta_info"]["cached_tokens_details"]
+    assert isinstance(details["linearkv"], dict) and details["linearkv"]["chunks_hit"] == 2, details
+    plain = server.generate(input_ids=_ids(40, 4304), sampling_params={"max_new_tokens": 2})
+    again = server.generate(input_ids=_ids(40, 4304)[:30] + [7, 8], sampling_params={"max_new_tokens": 2})
+    assert plain["output_ids"] and isinstance(again["meta_info"]["cached_tokens_details"]["tail_replay"], dict)
+    _alive(server)
 
 
 def test_kv_only_rules_register_no_chunk_state(served):
