@@ -20,8 +20,9 @@ TARGET = "srt/managers/tp_worker.py: TpModelWorker.forward_batch_generation"
 def _wrap_forward_batch_generation(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward_batch_generation(self, batch=None, *args, **kwargs):
-        if batch is None or not any(getattr(req, "_linearkv_chunk_locks", None)
-                                    or getattr(req, "_linearkv_prepass", None) is not None for req in batch.reqs):
+        from sglang_ext.linearkv import needs_worker
+
+        if batch is None or not any(needs_worker(req) for req in batch.reqs):
             return original(self, batch, *args, **kwargs)
         from sglang_ext.linearkv.prepass import first_forward_readers, mark_reads_done, run_prepass
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from sglang_ext.linearkv import capture_of
+from sglang_ext.hooks import decay_capture
 from sglang_ext.tail_replay import (
     BoundSegments,
     CarrySegments,
@@ -73,14 +73,14 @@ def _tail_rows_and_slots(reqs: Sequence[Any], prefix_lens: Sequence[int], extend
 
 def _bound_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens: Sequence[int]
                     ) -> BoundSegments | None:
-    """Rows of the packed extend batch inside approximate replays' tails, per request, and of
-    LinearKV chunk registrations whose log-decay gives the chunk's transition (`capture_of`)."""
+    """Rows of the packed extend batch inside approximate replays' tails, per request, and the
+    rows other wings capture (`sglang_ext.hooks.decay_capture`)."""
     tails = []
     for req in reqs:
         record = record_of(req)
         plan = None if record is None else record.plan
         approximate = record is not None and plan is not None and plan.kind is HitKind.APPROXIMATE
-        tails.append((record.tail_decay, plan.replay_start, plan.matched_tokens) if approximate else capture_of(req))
+        tails.append((record.tail_decay, plan.replay_start, plan.matched_tokens) if approximate else decay_capture(req))
     return bound_segments(tails, prefix_lens, extend_lens)
 
 

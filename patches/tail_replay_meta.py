@@ -1,5 +1,6 @@
 """Tail-Replay's per-request summary in `meta_info["cached_tokens_details"]["tail_replay"]`, and
-LinearKV's in `["linearkv"]` (requests with chunks on `--radix-cache-backend linearkv`).
+the other wings' summaries registered as meta contributors (`sglang_ext.hooks`), each under its
+own key.
 
 Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and writes
 `replay_summary(record)` (the plan, and for an approximate hit the state bound from its tail's
@@ -26,17 +27,14 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
     def get_cached_tokens_details(self, req):
         details = original(self, req)
         from patches.ipc_json import encode
+        from sglang_ext.hooks import meta_contributions
         from sglang_ext.tail_replay import META_KEY, record_of, replay_summary
 
         record = record_of(req)
         if record is not None and record.plan is not None:
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(replay_summary(record, len(req.origin_input_ids)))}
-        linearkv = getattr(req, "_linearkv_record", None)
-        if linearkv is not None and not linearkv.register and (linearkv.plan is not None or linearkv.fallback):
-            from sglang_ext.linearkv import META_KEY as LINEARKV_KEY
-            from sglang_ext.linearkv import summary
-
-            details = {**(details or {"device": req.cached_tokens, "host": 0}), LINEARKV_KEY: encode(summary(linearkv))}
+        for key, value in meta_contributions(req):   # other wings' summaries (sglang_ext.hooks)
+            details = {**(details or {"device": req.cached_tokens, "host": 0}), key: encode(value)}
         return details
 
     return get_cached_tokens_details

@@ -44,10 +44,11 @@ def _server_limits() -> tuple[TailReplayConfig, RequestLimits] | None:
 @functools.lru_cache(maxsize=4)
 def _limits_for(radix_cache_backend: str | None,
                 kv_cache_dtype: str) -> tuple[TailReplayConfig, RequestLimits] | None:
+    from sglang_ext.hooks import request_backends
     from sglang_ext.tail_replay import BACKEND_NAME, ServerFacts, request_limits, server_config
 
-    if radix_cache_backend not in (BACKEND_NAME, "linearkv"):   # linearkv serves P with Tail-Replay
-        return None
+    if radix_cache_backend != BACKEND_NAME and radix_cache_backend not in request_backends():
+        return None   # (other wings' backends that serve with Tail-Replay register themselves)
     config = server_config()
     return config, request_limits(config, ServerFacts(kv_cache_dtype=kv_cache_dtype))
 

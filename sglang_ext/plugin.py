@@ -101,11 +101,15 @@ def _apply(mode: str) -> None:
 
 
 def register_cache_backends() -> None:
-    """Make `--radix-cache-backend tail_replay` and `linearkv` selectable (idempotent)."""
+    """Make `--radix-cache-backend tail_replay` and `linearkv` selectable, and wire the wings'
+    extension points (`sglang_ext.hooks`: LinearKV's additions to Tail-Replay's seams); idempotent."""
     from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
 
     from sglang_ext.linearkv import BACKEND_NAME as LINEARKV
+    from sglang_ext.linearkv import register_hooks as register_linearkv_hooks
     from sglang_ext.tail_replay import BACKEND_NAME, tail_replay_cache_factory
+
+    register_linearkv_hooks()
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, tail_replay_cache_factory)

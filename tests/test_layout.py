@@ -53,3 +53,18 @@ def test_kernels_package_is_not_shadowed():
     module = importlib.import_module("kernels")
     assert Path(module.__file__ or "").resolve().parent != ROOT / "kernels", module.__file__
     assert "site-packages" in Path(module.__file__ or "").parts, module.__file__
+
+
+def test_tail_replay_never_names_linearkv():
+    """Issue 28: Tail-Replay's code, its patches included, knows LinearKV only through the
+    extension points LinearKV registers (`sglang_ext.hooks`), never by import or by name."""
+    files = sorted((ROOT / "sglang_ext" / "tail_replay").rglob("*.py")) + sorted((ROOT / "patches").glob("tail_replay_*.py"))
+    named = {path.relative_to(ROOT).as_posix() for path in files if "linearkv" in path.read_text().lower()}
+    assert not named
+
+
+def test_linearkv_modules_import_no_cycle():
+    """LinearKV's pre-pass reads the request record from the pure core, not from the adapter
+    that imports it."""
+    assert not any(n.startswith("sglang_ext.linearkv.sglang_cache")
+                   for n in _imports(ROOT / "sglang_ext" / "linearkv" / "prepass.py"))

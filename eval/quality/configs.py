@@ -12,8 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from sglang_ext.tail_replay import AUTO, BACKEND_NAME, KV_MODES
-from sglang_ext.tail_replay.decay_profile import PERCENTILES
+from sglang_ext.tail_replay import AUTO, BACKEND_NAME, KV_MODES, PERCENTILES
 
 STOCK, TAIL_REPLAY = "stock", BACKEND_NAME
 BUDGETS = (0.025, 0.05, 0.1, 0.2)

@@ -33,7 +33,9 @@ from sglang_ext.linearkv.serving import (
     is_chunk_namespace,
     keeps_state,
     namespace,
+    needs_worker,
     plan_chunks,
+    register_hooks,
     request_field,
     spans_of_segments,
     split_by_separator,
@@ -52,7 +54,7 @@ __all__ = ["STATE_RULES", "get_state_rule", "SELECTOR_KINDS", "Selector", "parse
            "ChunkPlan", "LinearKVConfig", "LinearKVConfigError", "LinearKVRequest",
            "capture_of", "composes", "epic_k", "check_server_flags", "namespace", "plan_chunks", "spans_of_segments", "split_by_separator",
            "request_field", "summary", "parse_server_config", "fallback_record", "is_chunk_namespace",
-           "keeps_state", "tenant_namespace", *_FROM_CACHE]
+           "keeps_state", "tenant_namespace", "register_hooks", "needs_worker", *_FROM_CACHE]
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,7 @@ Runs in the worker, on the forward stream, before the scheduled extend
 (`patches/linearkv_prepass.py` wraps `TpModelWorker.forward_batch_generation`); every slot it reads
 was resolved at admission. The source nodes stay locked until the request's first forward has run
 (the pre-pass and the question's deferred copy-on-write read them): after it is launched, each such
-request gets a marker (`READS_DONE_ATTR`: a device event on CUDA, True on the synchronous CPU
+request gets a marker (its record's `reads_done`: a device event on CUDA, True on the synchronous CPU
 path), and the cache unlocks at the request's next checkpoint or release once the marker is
 reached (`LinearKVRadixCache.release_read_locks`), so held chunk states do not starve the state
 pool while the request decodes.
@@ -37,13 +37,7 @@ from typing import Any
 import torch
 
 from sglang_ext.linearkv.ops import compose
-
-#: attribute on SGLang's Req holding its pending PrePass (set at admission, consumed by the worker)
-PREPASS_ATTR = "_linearkv_prepass"
-#: attribute on SGLang's Req holding the locks of the nodes whose states its first forward reads
-LOCKS_ATTR = "_linearkv_chunk_locks"
-#: attribute on SGLang's Req set once that forward is launched: a device event to wait on, or True
-READS_DONE_ATTR = "_linearkv_reads_done"
+from sglang_ext.linearkv.serving import record_of
 
 
 @dataclass(frozen=True)
@@ -67,7 +61,8 @@ class PrePass:
 
 
 def pending(req: Any) -> PrePass | None:
-    return getattr(req, PREPASS_ATTR, None)
+    record = record_of(req)
+    return None if record is None else record.prepass
 
 
 def compose_states(mamba_pool: Any, dst: torch.Tensor, src: torch.Tensor, decays: list[dict]) -> None:
@@ -100,7 +95,8 @@ def first_forward_readers(batch: Any) -> list[Any]:
     on nodes whose states this forward reads."""
     if batch is None or not batch.forward_mode.is_extend_without_speculative():
         return []
-    return [req for i, req in enumerate(batch.reqs) if getattr(req, LOCKS_ATTR, None) and _at_question(batch, i, req)]
+    return [req for i, req in enumerate(batch.reqs)
+            if (r := record_of(req)) is not None and r.locks and _at_question(batch, i, req)]
 
 
 def mark_reads_done(runner: Any, reqs: list[Any]) -> None:
@@ -115,12 +111,13 @@ def mark_reads_done(runner: Any, reqs: list[Any]) -> None:
         marker = torch.get_device_module(device).Event()
         marker.record()
     for req in reqs:
-        setattr(req, READS_DONE_ATTR, marker)
+        record_of(req).reads_done = marker
 
 
 def reads_done(req: Any) -> bool:
     """Whether the request's first forward has read its seeds (waits for a pending device event)."""
-    marker = getattr(req, READS_DONE_ATTR, None)
+    record = record_of(req)
+    marker = None if record is None else record.reads_done
     if marker is None:
         return False
     if marker is not True:
@@ -148,7 +145,7 @@ def run_prepass(worker: Any, batch: Any) -> int:
     for _, req, p in rows:
         if p.question is not None:
             write_seed(pool, p.question, req.kv.mamba_pool_idx)
-        setattr(req, PREPASS_ATTR, None)
+        record_of(req).prepass = None
     from sglang_ext.linearkv.metrics import record_prepass
 
     record_prepass(stages, sum(len(p.heads) for _, _, p in rows))
@@ -158,9 +155,7 @@ def run_prepass(worker: Any, batch: Any) -> int:
 def _at_question(batch: Any, i: int, req: Any) -> bool:
     """Whether this forward is the request's first over its question (its prefix ends where its
     own forward starts: the question, or a replayed tail before it): the heads run once, before it."""
-    from sglang_ext.linearkv.sglang_cache import linearkv_record
-
-    record = linearkv_record(req)
+    record = record_of(req)
     return record is not None and record.plan is not None and batch.prefix_lens[i] == record.plan.forward_start
 
 

@@ -296,15 +296,48 @@ def request_field(custom_params: Any) -> Mapping[str, Any] | None:
     return value
 
 
-#: attribute on a chunk registration's Req: (accumulator, 0, n), the rows whose Mamba-2 log-decay
-#: the gate hooks sum (`patches/tail_replay_batch.py`), giving the chunk's transition for `compose`
-_CAPTURE_ATTR = "_linearkv_capture"
+#: attribute on SGLang's Req holding its LinearKVRequest (set by the adapter at the request's match)
+RECORD_ATTR = "_linearkv_record"
+
+
+def meta_contribution(req: Any) -> tuple[str, dict] | None:
+    """("linearkv", summary) of a request with chunks (planned, or served plainly with a
+    `fallback`), for `meta_info.cached_tokens_details` (a `sglang_ext.hooks` meta contributor)."""
+    record = getattr(req, RECORD_ATTR, None)
+    if record is None or record.register or (record.plan is None and not record.fallback):
+        return None
+    return META_KEY, summary(record)
+
+
+def register_hooks() -> None:
+    """LinearKV's additions to Tail-Replay's seams (`sglang_ext.hooks`): chunk registrations'
+    log-decay capture (`compose`), the per-request summary, and the backend whose requests carry
+    Tail-Replay fields (P is served with Tail-Replay). Idempotent."""
+    from sglang_ext import hooks
+
+    hooks.add_decay_capture(capture_of)
+    hooks.add_meta_contributor(meta_contribution)
+    hooks.add_request_backend(BACKEND_NAME)
+
+
+def record_of(req: Any) -> LinearKVRequest | None:
+    """The LinearKV record of SGLang's Req, or None (a request without chunks, or not matched yet)."""
+    return getattr(req, RECORD_ATTR, None)
 
 
 def capture_of(req: Any) -> tuple[Any, int, int] | None:
     """(log-decay accumulator, first, one-past-last position) of a chunk registration whose gates
-    are summed during its prefill, or None."""
-    return getattr(req, _CAPTURE_ATTR, None)
+    are summed during its prefill (the gate hooks' rows, `sglang_ext.hooks`; the chunk's transition
+    for `compose`), or None."""
+    record = record_of(req)
+    return None if record is None else record.capture
+
+
+def needs_worker(req: Any) -> bool:
+    """Whether the worker acts on this request before or after its forward: a pending EPIC
+    pre-pass, or chunk locks its first forward's reads release (`patches/linearkv_prepass.py`)."""
+    record = record_of(req)
+    return record is not None and (bool(record.locks) or record.prepass is not None)
 
 
 def composes(layer_types: Sequence[str] | None, model_type: str | None) -> bool:
@@ -427,6 +460,21 @@ class LinearKVRequest:
     #: chunks the request declared (what a fallback reports missed)
     declared_chunks: int = 0
     recorded: bool = False
+    # ---- the adapter's and the worker's per-request state (set and cleared by them)
+    #: assembled KV slots not yet handed to the request's row (`sglang_cache`)
+    slots: Any = None
+    #: locks on chunk nodes whose states the request's first forward reads (`prepass.py`)
+    locks: list | None = None
+    #: set once that forward is launched: a device event to wait on, or True (`prepass.py`)
+    reads_done: Any = None
+    #: pending EPIC pre-pass (`prepass.PrePass`), consumed by the worker
+    prepass: Any = None
+    #: a registration whose log-decay is summed during its prefill: (accumulator, first, end)
+    capture: tuple | None = None
+    #: its state is kept out of the tree at caching (freed at release)
+    state_withheld: bool = False
+    #: a finished registration under extra_buffer donated its own state slot (`sglang_cache`)
+    end_donated: bool = False
     extra: dict = field(default_factory=dict)
 
     def reset_match(self) -> None:

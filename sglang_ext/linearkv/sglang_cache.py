@@ -43,18 +43,15 @@ from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from sglang_ext.linearkv.ops import rerotate_keys
 from sglang_ext.linearkv.prepass import (
-    LOCKS_ATTR,
-    PREPASS_ATTR,
-    READS_DONE_ATTR,
     PrePass,
     StateSeed,
     reads_done,
     write_seed,
 )
 from sglang_ext.linearkv.serving import (
-    _CAPTURE_ATTR,
     BACKEND_NAME,
     COMPOSING_RULES,
+    RECORD_ATTR,
     LinearKVConfig,
     LinearKVRequest,
     capture_of,
@@ -66,6 +63,7 @@ from sglang_ext.linearkv.serving import (
     request_field,
     tenant_namespace,
 )
+from sglang_ext.linearkv.serving import record_of as serving_record_of
 from sglang_ext.tail_replay import TailDecay, TailReplayMambaComponent, TailReplayRadixCache, record_of
 
 if TYPE_CHECKING:
@@ -75,14 +73,12 @@ __all__ = ["BACKEND_NAME", "LinearKVRadixCache", "linearkv_cache_factory", "line
 
 logger = logging.getLogger(__name__)
 
-#: attribute on SGLang's Req holding its LinearKVRequest
-_RECORD_ATTR = "_linearkv_record"
 #: chunk transitions kept (by content); beyond this many the least recently stored go
 MAX_TRANSITIONS = 65536
 
 
 def linearkv_record(req: Any) -> LinearKVRequest | None:
-    return getattr(req, _RECORD_ATTR, None)
+    return serving_record_of(req)
 
 
 def _record_for(req: Any, config: LinearKVConfig) -> LinearKVRequest | None:
@@ -105,7 +101,7 @@ def _record_for(req: Any, config: LinearKVConfig) -> LinearKVRequest | None:
             # validated on arrival (HTTP 400), so only a prompt SGLang cut afterwards
             # (--allow-auto-truncate) gets here: served as a plain prefill, and said so
             record = fallback_record(value, n, f"chunks not served on the {n}-token prompt as served: {exc}")
-    setattr(req, _RECORD_ATTR, record)
+    setattr(req, RECORD_ATTR, record)
     return record
 
 
@@ -201,27 +197,28 @@ class LinearKVMambaComponent(TailReplayMambaComponent):
             insert_params.mamba_value = req.kv.mamba_pool_idx.unsqueeze(-1).clone()
             req.kv.mamba_pool_idx = fresh[0]
         insert_params.mamba_keep_idx = None
-        req._linearkv_end_donated = True
+        linearkv_record(req).end_donated = True
         return token_ids_len
 
     def _withhold(self, req: Any, insert_params: Any) -> None:
         tr = record_of(req)
         if tr is not None:
-            tr.state_withheld = True
+            tr.withhold_state()
         else:
-            req._linearkv_state_withheld = True
+            linearkv_record(req).state_withheld = True
         insert_params.mamba_value = None
 
     def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
                                   insert_params: Any = None) -> None:
-        if getattr(req, "_linearkv_state_withheld", False):
-            req._linearkv_state_withheld = False
+        own = linearkv_record(req)
+        if own is not None and own.state_withheld:
+            own.state_withheld = False
             if is_finished:
                 self.cache.req_to_token_pool.free_mamba_cache(req)
                 return
             return MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
-        if getattr(req, "_linearkv_end_donated", False):   # is_finished, extra_buffer: see _donate_end_state
-            req._linearkv_end_donated = False
+        if own is not None and own.end_donated:   # is_finished, extra_buffer: see _donate_end_state
+            own.end_donated = False
             donated = insert_params.mamba_value if insert_params is not None else None
             if donated is not None and (insert_result is None or insert_result.mamba_exist):
                 self._free_mamba_value(donated)   # the tree kept its own copy
@@ -261,7 +258,7 @@ class LinearKVRadixCache(TailReplayRadixCache):
         if capture is None:
             return
         decay, start, end = capture
-        setattr(req, _CAPTURE_ATTR, None)
+        linearkv_record(req).capture = None
         if not decay.sums or any(n != end - start for n in decay.tokens.values()):
             return
         key = (req.extra_key, req.cache_salt, tuple(req.origin_input_ids))
@@ -325,7 +322,7 @@ class LinearKVRadixCache(TailReplayRadixCache):
             result = result._replace(device_prefix_len=n - 1)
         else:
             if self.can_compose:
-                setattr(params.req, _CAPTURE_ATTR, (TailDecay(), 0, n))
+                record.capture = (TailDecay(), 0, n)
             root = self.root_node_handle(key.extra_key)
             result = result._replace(device_prefix_len=0, last_device_node=root, last_host_node=root,
                                      best_match_node=root, mamba_branching_seqlen=None)
@@ -461,15 +458,15 @@ class LinearKVRadixCache(TailReplayRadixCache):
             for i, lock in enumerate(locks):
                 if i not in keep:
                     self.unlock(lock)
-        setattr(req, LOCKS_ATTR, [locks[i] for i in keep])
-        setattr(req, READS_DONE_ATTR, None)
-        req._linearkv_slots = slots
+        record.locks = [locks[i] for i in keep]
+        record.reads_done = None
+        record.slots = slots
         record.assembled = True
         record.reused_tokens = plan.chunk_tokens - plan.recomputed_chunk_tokens
         record.recomputed_tokens = len(req.origin_input_ids) - plan.forward_start + plan.head_tokens
         tr = record_of(req)
         if tr is not None:   # the Tail-Replay plan over P was only the fallback
-            tr.plan, tr.kv_slots, tr.own_end, tr.carry = None, None, None, None
+            tr.drop_plan()
         return total
 
     def _declined(self, req: Any, record: LinearKVRequest) -> None:
@@ -538,7 +535,7 @@ class LinearKVRadixCache(TailReplayRadixCache):
         record.state_source = plan.state
         if plan.heads:
             heads = [(s, e, self._seed_after(req, plan, j, nodes, prefix_state)) for j, (s, e) in enumerate(plan.heads)]
-            setattr(req, PREPASS_ATTR, PrePass(heads, question if plan.state in COMPOSING_RULES else None))
+            record.prepass = PrePass(heads, question if plan.state in COMPOSING_RULES else None)
         return True
 
     def _seed_after(self, req: Any, plan: Any, j: int, nodes: list[Any], prefix_state: Any) -> StateSeed:
@@ -558,37 +555,40 @@ class LinearKVRadixCache(TailReplayRadixCache):
 
     def prefix_device_indices(self, req: Any) -> torch.Tensor:
         record = linearkv_record(req)
-        slots = getattr(req, "_linearkv_slots", None)
+        slots = None if record is None else record.slots
         if record is None or not record.assembled or slots is None:
             return super().prefix_device_indices(req)
         p0 = record.tree_prefix_len
         path = self.tree_core.collect_full_device_indices(req.last_node, self.root_node_handle(req.extra_key))
         out = torch.cat([path[:p0].to(torch.int64), slots.to(torch.int64)])
         assert len(out) == req.prefix_len, (req.rid, len(out), req.prefix_len)
-        req._linearkv_slots = None   # the row owns them from here on (freed at release)
+        record.slots = None   # the row owns them from here on (freed at release)
         return out
 
     # ---- release -----------------------------------------------------------------------------
     def _free_unplaced(self, req: Any) -> None:
         """Free assembled slots that never reached the request's row (its admission did not go
         on after the load, or it was matched again / released before its first forward)."""
-        slots = getattr(req, "_linearkv_slots", None)
+        record = linearkv_record(req)
+        slots = None if record is None else record.slots
         if slots is not None:
-            req._linearkv_slots = None
+            record.slots = None
             self.token_to_kv_pool_allocator.free(slots)
 
     def _drop_chunk_lock(self, req: Any) -> None:
-        locks = getattr(req, LOCKS_ATTR, None) or []
-        setattr(req, LOCKS_ATTR, None)
-        setattr(req, PREPASS_ATTR, None)
-        setattr(req, READS_DONE_ATTR, None)
+        record = linearkv_record(req)
+        if record is None:
+            return
+        locks = record.locks or []
+        record.locks, record.prepass, record.reads_done = None, None, None
         for lock in locks:
             self.unlock(lock)
 
     def release_read_locks(self, req: Any) -> None:
         """Unlock the chunk nodes whose states the request's first forward read, once it has read
         them (`prepass.reads_done`); before that, keep them."""
-        if getattr(req, LOCKS_ATTR, None) and reads_done(req):
+        record = linearkv_record(req)
+        if record is not None and record.locks and reads_done(req):
             self._drop_chunk_lock(req)
 
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -628,8 +628,7 @@ def linearkv_cache_factory(ctx: Any) -> Any:
     """`--radix-cache-backend linearkv`: SGLang calls this once per scheduler at start-up."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
-    from sglang_ext.tail_replay import server_config
-    from sglang_ext.tail_replay.startup import check_scheduler_start
+    from sglang_ext.tail_replay import check_scheduler_start, server_config
 
     config = server_linearkv_config()
     tail_config = server_config()

@@ -88,6 +88,7 @@ from sglang_ext.tail_replay.config import (
     with_model_profile,
     with_overrides,
 )
+from sglang_ext.tail_replay.decay_profile import PERCENTILES
 from sglang_ext.tail_replay.metrics import (
     META_KEY,
     is_recording_rank,
@@ -106,6 +107,7 @@ from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attac
 from sglang_ext.tail_replay.startup import (
     ServerFacts,
     StartupError,
+    check_scheduler_start,
     check_start,
     facts_from_server_args,
     request_limits,
@@ -126,7 +128,7 @@ _FROM_CACHE = ("TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_
 __all__ = [
     "BACKEND_NAME", "DEFAULTS", "KV_MODES", "REQUEST_PARAM_KEY", "RequestLimits", "TailReplayConfig",
     "TailReplayConfigError", "config_from_dict", "parse_config", "request_overrides", "server_config",
-    "with_overrides", "user_settings", "with_model_profile", "AUTO",
+    "with_overrides", "user_settings", "with_model_profile", "AUTO", "PERCENTILES",
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
     "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",
     "META_KEY", "is_recording_rank", "plan_summary", "record_bound", "record_first_forward", "record_plan",
@@ -134,7 +136,7 @@ __all__ = [
     "AuditResult", "Divergence", "PendingAudits", "ServedAnswer", "audit_trigger", "divergence", "log_probs",
     "prompt_key", "reference_overrides",
     "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
-    "ServerFacts", "StartupError", "check_start", "facts_from_server_args", "request_limits",
+    "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
     *_FROM_CACHE,
 ]
 

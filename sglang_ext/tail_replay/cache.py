@@ -234,6 +234,10 @@ class TailReplayMambaComponent(MambaComponent):
         patches/sae_state_eviction.py). May mutate: the walk cursor."""
         lru = self.tree_core.lru_lists[self.component_type]
         by_session = self.tree_core.enable_session_radix_cache
+        if self.config.state_order == "ends" and not by_session:
+            victim = self._superseded_state(lru)
+            if victim is not None:
+                return victim
         if self._evict_device_cursor is not None and not lru.in_list(self._evict_device_cursor):
             self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_lru_no_lock()
         victim = self._evict_device_cursor
@@ -242,6 +246,19 @@ class TailReplayMambaComponent(MambaComponent):
         # step on now: freeing the victim unlinks it, the cursor (or its sentinel) stays put
         self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_prev_no_lock(victim)
         return victim
+
+    def _superseded_state(self, lru: Any) -> Any:
+        """State order "ends": the least recently used unlocked state that its conversation has
+        moved past (its node continues in exactly one child, and a state sits further down that
+        single line before any branch), or None. Conversation ends (leaves) and branch points (a
+        shared prefix, two children or more) are kept. Reads only."""
+        node = lru.get_lru_no_lock()
+        while node is not None:
+            data = node.component_data[self.component_type]
+            if data.value is not None and data.lock_ref == 0 and _continues_to_a_state(node, self.component_type):
+                return node
+            node = lru.get_prev_no_lock(node)
+        return None
 
     def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
                                   insert_params: Any = None) -> None:
@@ -356,6 +373,16 @@ class TailReplayRadixCache(UnifiedRadixCache):
             depth -= len(node.key)
             node = node.parent
         return torch.cat(chunks[::-1])[plan.prefix_len - depth:].clone()
+
+
+def _continues_to_a_state(node: Any, component_type: Any) -> bool:
+    """Whether `node` continues in exactly one child and a state sits further down that single
+    line before it branches or ends."""
+    while len(node.children) == 1:
+        node = next(iter(node.children.values()))
+        if node.component_data[component_type].value is not None:
+            return True
+    return False
 
 
 def _carry(plan: ReplayPlan, start_state: Any, prov: PathProvenance, kv_mode: str) -> tuple[CarryBound | None, float]:

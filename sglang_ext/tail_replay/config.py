@@ -33,6 +33,9 @@ BACKEND_NAME = "tail_replay"
 KV_MODES = ("exact", "recompute")
 #: `exactness`: "approximate" (reuse approximately where that pays) or "exact" (only exact nodes)
 EXACTNESS = ("approximate", "exact")
+#: `state_order`: which stored state goes first under state pressure: "lru" (SGLang's order) or
+#: "ends" (a state its conversation has moved past first, then least recently used)
+STATE_ORDERS = ("lru", "ends")
 #: per-request overrides: `sampling_params.custom_params["tail_replay"] = {"budget": 0.1, ...}`
 REQUEST_PARAM_KEY = "tail_replay"
 #: `budget: "auto"`: the window certified by the model's decay profile (tail_replay/decay_profile.py)
@@ -82,6 +85,11 @@ class TailReplayConfig:
     #: set by the server on its own audit re-runs: the rid of the request this one is the reference
     #: for (never audited itself); per request only
     audit_of: str | None = None
+    #: which stored state is freed first when the state pool is full: "lru" (SGLang's order:
+    #: least recently used) or "ends" (first a state its conversation has moved past, i.e. whose
+    #: node continues in exactly one child with a state further down, least recently used first;
+    #: then least recently used), keeping conversation ends and branch points (server setting only)
+    state_order: str = "lru"
     #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
     profile: DecayProfile | None = field(default=None, compare=False, repr=False)
 
@@ -102,6 +110,7 @@ class TailReplayConfig:
         _check(0.0 <= self.exact_threshold < 1.0, "exact_threshold",
                f"must be in [0, 1), got {self.exact_threshold}")
         _check(0.0 <= self.audit_rate <= 1.0, "audit_rate", f"must be in [0, 1], got {self.audit_rate}")
+        _check(self.state_order in STATE_ORDERS, "state_order", f"must be one of {STATE_ORDERS}, got {self.state_order!r}")
 
     @property
     def strict(self) -> bool:
@@ -119,10 +128,10 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
     "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
     "exactness": str, "exact_threshold": (int, float), "audit_rate": (int, float), "audit": bool,
-    "audit_of": str}
-#: keys a request may not set (a file path, what counts as exact, and how much of its traffic is
-#: audited are the server's business)
-_SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate")
+    "audit_of": str, "state_order": str}
+#: keys a request may not set (a file path, what counts as exact, how much of its traffic is
+#: audited and the state pool's eviction order are the server's business)
+_SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order")
 #: keys only a request sets (what happens to one request)
 _REQUEST_ONLY = ("audit", "audit_of")
 

@@ -83,6 +83,15 @@ class TailReplayRequest:
         self.floor = floor
         self.output_bound = None
 
+    def drop_plan(self) -> None:
+        """The request is served some other way than its plan (another wing took over after the
+        match, e.g. assembling cached chunks): no plan, no tail slots, no provenance carry."""
+        self.plan, self.kv_slots, self.own_end, self.carry = None, None, None, None
+
+    def withhold_state(self) -> None:
+        """Keep the request's state out of the tree at its next caching (its release frees it)."""
+        self.state_withheld = True
+
 
 def record_of(req: Any) -> TailReplayRequest | None:
     """The request's record, or None (a request Tail-Replay has not matched, or any request of a

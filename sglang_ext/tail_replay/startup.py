@@ -39,6 +39,8 @@ class ServerFacts:
     kv_cache_dtype: str = "auto"
     #: `--model-path` (where `budget: "auto"` looks for the decay profile)
     model_path: str = ""
+    #: `--enable-hierarchical-cache`
+    hierarchical_cache: bool = False
 
 
 def kv_cache_is_quantized(kv_cache_dtype: str) -> bool:
@@ -61,6 +63,12 @@ def request_limits(config: TailReplayConfig, facts: ServerFacts) -> RequestLimit
 
 def check_start(config: TailReplayConfig, facts: ServerFacts) -> list[str]:
     """The summary line(s) for this server, or StartupError for a combination that cannot run."""
+    if facts.hierarchical_cache:
+        raise StartupError(
+            "--enable-hierarchical-cache cannot run with Tail-Replay's cache yet: "
+            "the replay planner plans over device hits only, while SGLang's host load-back would shift the "
+            "request's prefix and copy a host-only state into plans that do not start from it (wrong "
+            "outputs); run without --enable-hierarchical-cache")
     if config.kv_mode == "exact" and kv_cache_is_quantized(facts.kv_cache_dtype):
         raise StartupError(
             f"--kv-cache-dtype {facts.kv_cache_dtype} (a quantized KV cache) cannot run with the "
@@ -108,7 +116,8 @@ def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
 def facts_from_server_args(server_args: Any) -> ServerFacts:
     """Facts from SGLang's ServerArgs (flags as given; main process or tokenizer)."""
     return ServerFacts(kv_cache_dtype=str(getattr(server_args, "kv_cache_dtype", None) or "auto"),
-                       model_path=str(getattr(server_args, "model_path", None) or ""))
+                       model_path=str(getattr(server_args, "model_path", None) or ""),
+                       hierarchical_cache=bool(getattr(server_args, "enable_hierarchical_cache", False)))
 
 
 def check_scheduler_start(ctx: Any, config: TailReplayConfig) -> None:

@@ -3,14 +3,20 @@ SGLang's own encoder and typed decoder."""
 
 from __future__ import annotations
 
+import os
 from array import array
 
-import msgspec
-import pytest
-from sglang.srt.managers import io_struct
-from sglang.srt.sampling.sampling_params import SamplingParams
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+import patches  # noqa: E402
 
-from patches import ipc_json
+patches.apply_patches("cpu")  # before any SGLang import (stand-in sgl_kernel)
+
+import msgspec  # noqa: E402
+import pytest  # noqa: E402
+from sglang.srt.managers import io_struct  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+
+from patches import ipc_json  # noqa: E402
 
 NESTED = {"linearkv": {"chunks": [[0, 48], [48, 96]], "state": "replay-16"},
           "token_types": [[0, 12, "system"]], "tail_replay": {"budget": 0.5}, "plain": [1, 2, 3], "n": 4}

@@ -146,6 +146,13 @@ class Harness:
         self.cache.sanity_check()
 
 
+def _first_token(h: Harness, node) -> int:
+    """The first token of the conversation a node belongs to."""
+    while node.parent is not None and node.parent is not h.cache.tree_core.root_node:
+        node = node.parent
+    return int(node.key.token_ids[0])
+
+
 def seq(start: int, n: int) -> list[int]:
     return list(range(start, start + n))
 
@@ -437,6 +444,34 @@ def test_state_pressure_spares_the_checkpoint_a_planned_hit_copies():
     held = [n for n, _ in h.nodes() if n.component_data[MAMBA].value is not None]
     assert len(held) == 2 and oldest in held              # another state made room
     assert sorted(h.tree_kv()) == seq(1, 3 * 40)
+    h.finish(req)
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("order", ["lru", "ends"])
+def test_state_order_ends_frees_a_state_its_conversation_moved_past_first(order):
+    """A paused conversation B (one turn) and an active one A (three turns: states at 40, 50, 60),
+    four state slots. A new request needs a slot: SGLang's order ("lru") frees B's end state, the
+    least recently used; "ends" frees A's state at 40, which A has moved past (its only child
+    continues to the state at 50), so B's next turn still resumes exactly."""
+    h = Harness(1, dataclasses.replace(CONFIG, state_order=order), mamba_size=4, max_reqs=2)
+    b, a = seq(20_000, 40), seq(30_000, 40)
+    h.run(b)
+    h.run(a)
+    h.run(a + seq(31_000, 10))
+    h.run(a + seq(31_000, 10) + seq(32_000, 10))
+    def states() -> list[tuple[int, int]]:   # (conversation's first token, depth) of every state held
+        return sorted((_first_token(h, n), d)
+                      for n, d in h.nodes() if n.component_data[MAMBA].value is not None)
+
+    assert states() == [(20_000, 40), (30_000, 40), (30_000, 50), (30_000, 60)]
+    assert h.pool.mamba_allocator.available_size() == 0
+    h.run(seq(40_000, 40))                                 # a new conversation: one state must go
+    gone = {(20_000, 40)} if order == "lru" else {(30_000, 40)}
+    assert states() == sorted({(20_000, 40), (30_000, 40), (30_000, 50), (30_000, 60)} - gone | {(40_000, 40)})
+    req = h.admit(b + seq(21_000, 8))                      # B's next turn
+    expected = HitKind.APPROXIMATE if order == "lru" else HitKind.EXACT_CHECKPOINT
+    assert plan_of(req).kind == expected
     h.finish(req)
     h.assert_no_leak()
 

@@ -82,6 +82,16 @@ def test_exact_kv_with_a_quantized_cache_is_refused_naming_both_flags():
     assert len(lines) == 1 and "kv_mode='recompute'" in lines[0] and "kv_mode='exact' (its KV cache" in lines[0]
 
 
+def test_hierarchical_cache_is_refused_naming_the_flag():
+    """Until the planner plans over host hits (issue 26), HiCache would be silently wrong: refused."""
+    with pytest.raises(StartupError, match="--enable-hierarchical-cache"):
+        check_start(BASE, ServerFacts(hierarchical_cache=True))
+    args = SimpleNamespace(kv_cache_dtype="auto", model_path="m", enable_hierarchical_cache=True)
+    from sglang_ext.tail_replay import facts_from_server_args
+
+    assert facts_from_server_args(args).hierarchical_cache
+
+
 def test_summary_line_names_the_config_and_refusals():
     line = summary_line(NO_CKPT, ServerFacts())
     assert line.startswith("Tail-Replay config in force: budget=0.05 min_replay_tokens=64")
