@@ -126,8 +126,9 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[
     value = request_field(_custom_params(obj))
     if is_chunk_namespace(obj.extra_key if isinstance(obj.extra_key, str) else None):
         raise ValueError(f"extra_key: keys starting with {NAMESPACE_PREFIX!r} are reserved for LinearKV's chunks")
-    if value is not None and value.get("register"):
-        raise ValueError("custom_params.linearkv.register is internal to the server")
+    internal = [key for key in ("register", "keep_state") if value is not None and key in value]
+    if internal:
+        raise ValueError(f"custom_params.linearkv.{internal[0]} is internal to the server")
     separator = value.get("separator") if value is not None else config.separator
     if value is not None and "separator" in value and (not isinstance(separator, str) or not separator):
         raise ValueError(f"custom_params.linearkv.separator must be a non-empty string, got {separator!r}")

@@ -499,10 +499,10 @@ def summary(record: LinearKVRequest) -> dict:
 
 def fallback_record(value: Mapping[str, Any], n_tokens: int, reason: str) -> LinearKVRequest:
     """The record of a request whose chunks cannot be planned on the prompt as served: a plain
-    prefill, every declared chunk missed, every prompt token computed."""
+    prefill, every declared chunk missed (its counts are set at the match)."""
     declared = value.get("chunks")
     missed = len(declared) if isinstance(declared, Sequence) and not isinstance(declared, (str, bytes)) else 0
-    return LinearKVRequest(chunks_missed=missed, recomputed_tokens=n_tokens, fallback=reason, declared_chunks=missed)
+    return LinearKVRequest(fallback=reason, declared_chunks=missed)
 
 
 def with_state(plan: ChunkPlan, state: str) -> ChunkPlan:

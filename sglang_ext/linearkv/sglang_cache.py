@@ -77,8 +77,7 @@ logger = logging.getLogger(__name__)
 MAX_TRANSITIONS = 65536
 
 
-def linearkv_record(req: Any) -> LinearKVRequest | None:
-    return serving_record_of(req)
+linearkv_record = serving_record_of   # the record of SGLang's Req (serving.record_of)
 
 
 def _record_for(req: Any, config: LinearKVConfig) -> LinearKVRequest | None:

@@ -314,6 +314,7 @@ BAD_FIELDS = [
     ({"chunks": [[0, 10]], "state": "packed-last"}, "custom_params.linearkv.state"),
     ({"chunk": [[0, 10]]}, "custom_params.linearkv"),
     ({"register": True}, "custom_params.linearkv.register"),
+    ({"chunks": [[0, 10]], "keep_state": False}, "custom_params.linearkv.keep_state"),
     ({"chunks": [[0, 10]], "state": "compose"}, "served for Mamba-2 models only"),
     ({"chunks": [[0, 10]], "selector": "cacheblend-15"}, "custom_params.linearkv.selector"),
     ({"chunks": [[0, 10]], "selector": "epic-x"}, "custom_params.linearkv.selector"),

@@ -27,13 +27,18 @@ def _ids(n, seed):
     return torch.randint(5, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_one_chunk_without_prefix_is_a_plain_continuation(tiny):
-    model, layout = tiny
+def _one_chunk(model, layout):
+    """A 130-token chunk registered alone, a 20-token question, and their full prefill."""
     ids = _ids(150, 1)
     chunk, question = ids[:130], ids[130:]
     store = R.new_store(layout)
     entry = R.register(model, layout, chunk, store)
-    full = R.full_prefill(model, layout, chunk, question)
+    return ids, question, store, entry, R.full_prefill(model, layout, chunk, question)
+
+
+def test_one_chunk_without_prefix_is_a_plain_continuation(tiny):
+    model, layout = tiny
+    ids, question, store, entry, full = _one_chunk(model, layout)
     ref_out, ref_lp = R.greedy(model, full.cache, full.logits[-1], len(ids), 6)
     for rule in ("predecessor", "compose", "packed-last", "packed-compose"):
         got = R.assemble(model, layout, [entry.chunk_id], question, parse_selector("none"), rule, store=store)
@@ -48,13 +53,9 @@ def test_replay_rule_rebuilds_the_state_from_a_tail(tiny):
     """KV-only `replay-<r>`: a replay that reaches back to the prompt's start (one chunk, no
     prefix) recomputes every token from the zero state in context: the full prefill. A short one
     recomputes only its tail (and the question) and reads no chunk state: a chunk stored with its
-    linear states zeroed gives the same answer; with r = 0 tokens it is the `zero` rule."""
+    linear states zeroed gives the same answer, closer to the full prefill than `zero`'s."""
     model, layout = tiny
-    ids = _ids(150, 1)
-    chunk, question = ids[:130], ids[130:]
-    store = R.new_store(layout)
-    entry = R.register(model, layout, chunk, store)
-    full = R.full_prefill(model, layout, chunk, question)
+    _, question, store, entry, full = _one_chunk(model, layout)
     whole = R.assemble(model, layout, [entry.chunk_id], question, parse_selector("none"), "replay-130", store=store)
     assert whole.recomputed == list(range(150))
     torch.testing.assert_close(whole.logits, full.logits, atol=1e-5, rtol=1e-5)
