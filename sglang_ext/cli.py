@@ -1,4 +1,5 @@
-"""Command line: `sglang-ext serve` (the patched SGLang server).
+"""Command line: `sglang-ext serve` (the patched SGLang server) and `sglang-ext cluster` (SGLang's
+router in front of N patched workers, sglang_ext/cluster.py).
 
 Fixture checkpoints and the demo are evaluation tools, outside the product package:
 `python -m eval.fixtures` and `python -m eval.demo`.
@@ -18,7 +19,13 @@ def _serve(args: list[str]) -> None:
     serve(args)
 
 
-COMMANDS = {"serve": _serve}
+def _cluster(args: list[str]) -> None:
+    from sglang_ext.cluster import run_cluster
+
+    raise SystemExit(run_cluster(args))
+
+
+COMMANDS = {"serve": _serve, "cluster": _cluster}
 
 
 def main(argv: list[str] | None = None) -> None:

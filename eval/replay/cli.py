@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", default=None,
                    help="label of a server without cache (`stock --disable-radix-cache`): each server's share of "
                         "requests whose greedy output equals it")
+    p.add_argument("--workers", type=int, default=1,
+                   help="workers per server spec: above 1, each spec runs as `sglang-ext cluster` (SGLang's "
+                        "router, pip smg, in front of N workers with the spec's arguments; each worker gets the "
+                        "whole --max-total-tokens / --max-mamba-cache-size) and requests go through the router")
+    p.add_argument("--router-policy", default="cache_aware",
+                   help="the router's policy with --workers > 1 (cache_aware, round_robin, ...)")
     p.add_argument("--boot", choices=("together", "each"), default="each",
                    help="each: boot each server only for its own replay; together: boot all at once, "
                         "replay one after another (idle servers sleep)")
@@ -234,11 +240,13 @@ def _slug(label: str, i: int) -> str:
 
 def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, refs, args, trace_info) -> tuple[dict, list[dict]]:
     """Warm, flush, sample the load, replay; the server's summary row and its request records
-    (with the timings removed when they are withheld)."""
+    (with the timings removed when they are withheld). `server`: a ServerProcess, or a
+    ClusterProcess whose router takes the requests (every worker is warmed and flushed)."""
     url = server.url
-    _warm_and_flush(url, trace_info["tokens_per_block"], args.seed)
+    for worker_url in _worker_urls(server):
+        _warm_and_flush(worker_url, trace_info["tokens_per_block"], args.seed)
     load = sample_load(exclude_pids=all_pids, seconds=args.load_sample_s)
-    threads = _server_threads(server.proc.pid)
+    threads = sum(_server_threads(pid) for pid in _pids(server))
     window = CpuWindow(all_pids).start()
     records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label,
                                    typed=args.typed, session_ids=args.session_ids)
@@ -256,13 +264,49 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     timing = {"wall_s": wall, "machine_load": load.as_dict(), "other_cpu_percent_during": other_during,
               "busy": busy, "timings_withheld": withheld, "server_threads": threads,
               "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
-              "launch_args": spec.launch_args(_common_args(args))}
+              "launch_args": spec.launch_args(_common_args(args)),
+              "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None}
     row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
     slug = _slug(spec.label, i)
     with open(args.out / f"requests-{slug}.jsonl", "w") as handle:
         for rec in records:
             handle.write(json.dumps(rec) + "\n")
     return row, records
+
+
+class ClusterProcess:
+    """One server spec as `sglang-ext cluster` (router + `workers` workers), with the
+    ServerProcess interface the replay uses (`url`, `launch`, `wait_ready`, `stop`)."""
+
+    def __init__(self, model: str, worker_args: list[str], workers: int, policy: str, log_dir: Path) -> None:
+        from sglang_ext.cluster import Cluster, parse_cluster_args
+
+        argv = ["--workers", str(workers), "--policy", policy, "--port", "0", "--log-dir", str(log_dir),
+                "--", "--model-path", model, *worker_args]
+        self.cluster = Cluster(parse_cluster_args(argv))
+        self.url = self.cluster.spec.url
+        self.worker_urls = self.cluster.spec.worker_urls()
+
+    def launch(self) -> ClusterProcess:
+        return self
+
+    def wait_ready(self, timeout_s: float = 600.0) -> ClusterProcess:
+        self.cluster.start(timeout_s)
+        return self
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.cluster.processes()]
+
+    def stop(self) -> None:
+        self.cluster.stop()
+
+
+def _pids(server) -> list[int]:
+    return server.pids() if isinstance(server, ClusterProcess) else [server.proc.pid]
+
+
+def _worker_urls(server) -> list[str]:
+    return server.worker_urls if isinstance(server, ClusterProcess) else [server.url]
 
 
 def _common_args(args) -> list[str]:
@@ -274,7 +318,8 @@ def run(args) -> dict:
     """The whole replay; writes report.json, report.md, replay.png and per-request JSONL."""
     from eval.harness import ServerProcess, servers_running
 
-    for flag in ("requests", "concurrency", "new_tokens", "max_total_tokens", "max_mamba_cache_size", "sessions"):
+    for flag in ("requests", "concurrency", "new_tokens", "max_total_tokens", "max_mamba_cache_size", "sessions",
+                 "workers"):
         if getattr(args, flag) < 1:
             raise ReplayError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.skip_sessions < 0:
@@ -287,14 +332,25 @@ def run(args) -> dict:
     sequences = [r.tokens for r in scaled]
     refs = {"ideal": ideal_curve(sequences), "lru": lru_curve(sequences, args.max_total_tokens)}
     model = resolve_model(args)
-    procs = [ServerProcess(str(model), spec.launch_args(_common_args(args)),
-                           log_path=args.out / f"server-{_slug(spec.label, i)}.log")
-             for i, spec in enumerate(specs)]
+    if args.workers > 1:
+        from sglang_ext.cluster import ROUTER_POLICIES, router_available
+
+        if args.router_policy not in ROUTER_POLICIES:
+            raise ReplayError(f"--router-policy {args.router_policy!r}: use one of {ROUTER_POLICIES}")
+        if not router_available():
+            raise ReplayError("--workers > 1 needs SGLang's router: pip install 'sglang-hybrid-cache[scale]'")
+        procs: list = [ClusterProcess(str(model), spec.launch_args(_common_args(args)), args.workers,
+                                      args.router_policy, args.out / f"cluster-{_slug(spec.label, i)}")
+                       for i, spec in enumerate(specs)]
+    else:
+        procs = [ServerProcess(str(model), spec.launch_args(_common_args(args)),
+                               log_path=args.out / f"server-{_slug(spec.label, i)}.log")
+                 for i, spec in enumerate(specs)]
     rows, per_server = [], {}
     groups = [list(range(len(specs)))] if args.boot == "together" else [[i] for i in range(len(specs))]
     for group in groups:
         with servers_running([procs[i] for i in group]):
-            pids = [procs[i].proc.pid for i in group]
+            pids = [pid for i in group for pid in _pids(procs[i])]
             for i in group:
                 row, records = run_server(specs[i], i, procs[i], pids, scaled, refs, args, trace_info)
                 rows.append(row)
@@ -326,9 +382,11 @@ def run(args) -> dict:
 
 
 def _title(info: dict, args) -> str:
+    workers = getattr(args, "workers", 1)
+    cluster = f", {workers} workers behind the router ({args.router_policy})" if workers > 1 else ""
     return (f"{info['name']}: {info['requests']} requests, {info['tokens_per_block']} tokens/block, "
             f"KV pool {args.max_total_tokens:,}, {args.max_mamba_cache_size} state slots, "
-            f"concurrency {args.concurrency}, {args.new_tokens} new token(s)")
+            f"concurrency {args.concurrency}, {args.new_tokens} new token(s){cluster}")
 
 
 def _markdown(report: dict) -> str:

@@ -1,0 +1,276 @@
+"""`sglang-ext cluster`: SGLang's router in front of N patched workers, as one command.
+
+    sglang-ext cluster --workers 4 --policy cache_aware --port 30000 --log-dir logs/ \\
+        -- --model-path M --radix-cache-backend tail_replay
+
+Everything after `--` goes to every worker (`sglang-ext serve`, so the CPU launcher's defaults
+and every extension flag work); the cluster gives each worker its own `--host` / `--port`. The
+router is SGLang's own (`smg launch`, pip `smg`; the `scale` extra), never a home-made one. It
+routes HTTP workers with its approximate prefix tree over the request's text or token ids; it
+reads workers' KV events only for gRPC workers (docs/deployment.md).
+
+Each process runs in its own process group with its log under `--log-dir`; SIGINT / SIGTERM, or
+any process dying, stops them all (router first, then the workers), and the command exits.
+Nothing here knows a wing: the cluster only launches processes and waits for them to be ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sglang_ext.launcher import LaunchError
+
+#: `smg launch --policy` values (smg 1.13)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
+                   "consistent_hashing", "prefix_hash")
+#: worker flags the cluster sets itself
+OWNED_WORKER_FLAGS = ("--host", "--port")
+READY_TIMEOUT_S = 600.0
+STOP_GRACE_S = 20.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What `sglang-ext cluster` starts (validated: `parse_cluster_args`)."""
+
+    workers: int
+    policy: str
+    host: str
+    port: int
+    worker_args: tuple[str, ...]
+    log_dir: Path
+    router_args: tuple[str, ...] = ()
+    worker_ports: tuple[int, ...] = ()
+    #: the router's Prometheus port (smg's default, 29000 on every interface, is taken by the
+    #: second cluster on a machine)
+    metrics_port: int = 0
+
+    def worker_urls(self) -> list[str]:
+        return [f"http://{self.host}:{p}" for p in self.worker_ports]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def worker_command(self, i: int) -> list[str]:
+        return [sys.executable, "-m", "sglang_ext", "serve", *self.worker_args,
+                "--host", self.host, "--port", str(self.worker_ports[i])]
+
+    def router_command(self) -> list[str]:
+        return [sys.executable, "-m", "smg", "launch", "--worker-urls", *self.worker_urls(),
+                "--policy", self.policy, "--host", self.host, "--port", str(self.port),
+                "--prometheus-host", self.host, "--prometheus-port", str(self.metrics_port),
+                *self.router_args]
+
+
+def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
+    """`[CLUSTER OPTIONS] -- WORKER ARGS`; raises LaunchError naming a bad option."""
+    argv = list(argv)
+    if "--" not in argv:
+        raise LaunchError("sglang-ext cluster: put the workers' arguments after '--' "
+                          "(e.g. sglang-ext cluster --workers 2 -- --model-path M)")
+    cut = argv.index("--")
+    own, worker_args = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(prog="sglang-ext cluster", exit_on_error=False)
+    parser.add_argument("--workers", type=int, default=2, help="worker servers behind the router")
+    parser.add_argument("--policy", default="cache_aware", help=f"router policy: {', '.join(ROUTER_POLICIES)}")
+    parser.add_argument("--host", default="127.0.0.1", help="host of the router and the workers")
+    parser.add_argument("--port", type=int, default=30000, help="the router's port (0: a free one)")
+    parser.add_argument("--worker-ports", default=None,
+                        help="comma-separated worker ports (default: free ports)")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="the router's Prometheus port (default: a free one)")
+    parser.add_argument("--log-dir", default="cluster-logs", help="router.log and worker-<i>.log go here")
+    parser.add_argument("--router-arg", action="append", default=[],
+                        help="one more `smg launch` argument (repeat; e.g. --router-arg=--cache-threshold=0.3)")
+    try:
+        ns = parser.parse_args(own)
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise LaunchError(f"sglang-ext cluster: {exc}") from None
+    if ns.workers < 1:
+        raise LaunchError(f"sglang-ext cluster --workers {ns.workers}: needs at least 1 worker")
+    if ns.policy not in ROUTER_POLICIES:
+        raise LaunchError(f"sglang-ext cluster --policy {ns.policy!r}: use one of {ROUTER_POLICIES}")
+    if not any(a == "--model-path" or a.startswith("--model-path=") for a in worker_args):
+        raise LaunchError("sglang-ext cluster: the workers' arguments (after '--') need --model-path")
+    for flag in OWNED_WORKER_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in worker_args):
+            raise LaunchError(f"sglang-ext cluster: {flag} is set by the cluster for each worker; "
+                              f"leave it out of the workers' arguments (use the cluster's --host / --worker-ports)")
+    if ns.worker_ports:
+        try:
+            ports = tuple(int(p) for p in ns.worker_ports.split(","))
+        except ValueError:
+            raise LaunchError(f"sglang-ext cluster --worker-ports {ns.worker_ports!r}: expected integers") from None
+        if len(ports) != ns.workers:
+            raise LaunchError(f"sglang-ext cluster --worker-ports: {len(ports)} port(s) for --workers {ns.workers}")
+    else:
+        ports = tuple(free_port(ns.host) for _ in range(ns.workers))
+    port = ns.port or free_port(ns.host)
+    metrics_port = ns.metrics_port or free_port(ns.host)
+    if len({port, metrics_port, *ports}) != len(ports) + 2:
+        raise LaunchError(f"sglang-ext cluster: router port {port}, metrics port {metrics_port} and worker "
+                          f"ports {list(ports)} must all differ")
+    return ClusterSpec(ns.workers, ns.policy, ns.host, port, tuple(worker_args), Path(ns.log_dir),
+                       tuple(ns.router_arg), ports, metrics_port)
+
+
+def router_available() -> bool:
+    return importlib.util.find_spec("smg") is not None
+
+
+@dataclass
+class Cluster:
+    """The running processes of one ClusterSpec; `start()` returns once the router serves."""
+
+    spec: ClusterSpec
+    env: dict[str, str] = field(default_factory=dict)
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    router: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> Cluster:
+        if not router_available():
+            raise LaunchError("sglang-ext cluster needs SGLang's router: pip install 'sglang-hybrid-cache[scale]' "
+                              "(or pip install smg)")
+        self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            for i in range(self.spec.workers):
+                self.workers.append(self._spawn(self.spec.worker_command(i), f"worker-{i}.log"))
+            deadline = time.monotonic() + timeout_s
+            for i, url in enumerate(self.spec.worker_urls()):
+                self._wait(url + "/health_generate", deadline, f"worker {i} ({url})", self.workers[i], f"worker-{i}.log")
+            self.router = self._spawn(self.spec.router_command(), "router.log")
+            self._wait_router(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, command: list[str], log_name: str) -> subprocess.Popen:
+        log = open(self.spec.log_dir / log_name, "w")
+        try:
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, **self.env})
+        finally:
+            log.close()
+
+    def _wait(self, url: str, deadline: float, what: str, proc: subprocess.Popen, log_name: str) -> None:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with code {proc.returncode}; log: {self.spec.log_dir / log_name}")
+            if _get_ok(url):
+                return
+            time.sleep(1.0)
+        raise TimeoutError(f"{what} not ready; log: {self.spec.log_dir / log_name}")
+
+    def _wait_router(self, deadline: float) -> None:
+        """The router answers /health before it has registered its workers: ready once it lists
+        them all (`GET /workers`)."""
+        assert self.router is not None
+        self._wait(self.spec.url + "/health", deadline, f"router ({self.spec.url})", self.router, "router.log")
+        while time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                raise RuntimeError(f"router exited with code {self.router.returncode}; log: {self.spec.log_dir / 'router.log'}")
+            body = _get_text(self.spec.url + "/workers")
+            if body is not None and all(url in body for url in self.spec.worker_urls()):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"router did not register its workers; log: {self.spec.log_dir / 'router.log'}")
+
+    def processes(self) -> list[subprocess.Popen]:
+        return [p for p in [self.router, *self.workers] if p is not None]
+
+    def exited(self) -> list[str]:
+        """Names of the processes that have ended."""
+        names = [("router", self.router)] + [(f"worker-{i}", p) for i, p in enumerate(self.workers)]
+        return [f"{name} (code {p.returncode})" for name, p in names if p is not None and p.poll() is not None]
+
+    def stop(self) -> None:
+        """End every process group (router first): SIGTERM, then SIGKILL after a grace period."""
+        procs = self.processes()
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in procs:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+        self.router, self.workers = None, []
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _get_text(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.read().decode("utf-8", "replace") if resp.status == 200 else None
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _get_ok(url: str) -> bool:
+    return _get_text(url) is not None
+
+
+def run_cluster(argv: Sequence[str]) -> int:
+    """The command: start, print where it serves, wait for SIGINT / SIGTERM or a death, stop."""
+    spec = parse_cluster_args(argv)
+    stop_now: list[int] = []
+    started = [False]
+
+    def _request_stop(signum: int, frame: object) -> None:
+        stop_now.append(signum)
+        if not started[0]:   # still booting: unwind now (the `finally` stops what has started)
+            raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster = Cluster(spec)
+    try:
+        cluster.start()
+        started[0] = True
+        print(f"sglang-ext cluster: router {spec.url} (policy {spec.policy}) -> workers "
+              f"{', '.join(spec.worker_urls())}; logs in {spec.log_dir}/", flush=True)
+        while not stop_now:
+            dead = cluster.exited()
+            if dead:
+                print(f"sglang-ext cluster: {', '.join(dead)} ended; stopping the cluster", file=sys.stderr, flush=True)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
