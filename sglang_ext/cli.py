@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from patches.version import UnsupportedSGLangVersion
 from sglang_ext.launcher import LaunchError
+from sglang_ext.patches.version import UnsupportedSGLangVersion
 
 
 def _serve(args: list[str]) -> None:

@@ -36,15 +36,25 @@ from sglang_ext.launcher import LaunchError
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load",
                    "consistent_hashing", "prefix_hash")
 #: worker flags the cluster sets itself
-OWNED_WORKER_FLAGS = ("--host", "--port")
+OWNED_WORKER_FLAGS = ("--host", "--port", "--base-gpu-id")
 READY_TIMEOUT_S = 600.0
 STOP_GRACE_S = 20.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports (all held open until every one is chosen, so none repeats)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,9 @@ class ClusterSpec:
     #: the router's Prometheus port (smg's default, 29000 on every interface, is taken by the
     #: second cluster on a machine)
     metrics_port: int = 0
+    #: GPUs per worker on a multi-GPU node: worker i gets `--base-gpu-id i * gpus_per_worker`
+    #: (0: not set, every worker starts from SGLang's default GPU 0)
+    gpus_per_worker: int = 0
 
     def worker_urls(self) -> list[str]:
         return [f"http://{self.host}:{p}" for p in self.worker_ports]
@@ -71,8 +84,9 @@ class ClusterSpec:
         return f"http://{self.host}:{self.port}"
 
     def worker_command(self, i: int) -> list[str]:
+        gpus = ["--base-gpu-id", str(i * self.gpus_per_worker)] if self.gpus_per_worker else []
         return [sys.executable, "-m", "sglang_ext", "serve", *self.worker_args,
-                "--host", self.host, "--port", str(self.worker_ports[i])]
+                "--host", self.host, "--port", str(self.worker_ports[i]), *gpus]
 
     def router_command(self) -> list[str]:
         return [sys.executable, "-m", "smg", "launch", "--worker-urls", *self.worker_urls(),
@@ -84,12 +98,12 @@ class ClusterSpec:
 def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
     """`[CLUSTER OPTIONS] -- WORKER ARGS`; raises LaunchError naming a bad option."""
     argv = list(argv)
-    if "--" not in argv:
+    if "--" not in argv and not {"-h", "--help"} & set(argv):
         raise LaunchError("sglang-ext cluster: put the workers' arguments after '--' "
                           "(e.g. sglang-ext cluster --workers 2 -- --model-path M)")
-    cut = argv.index("--")
+    cut = argv.index("--") if "--" in argv else len(argv)
     own, worker_args = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(prog="sglang-ext cluster", exit_on_error=False)
+    parser = argparse.ArgumentParser(prog="sglang-ext cluster", exit_on_error=False, allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=2, help="worker servers behind the router")
     parser.add_argument("--policy", default="cache_aware", help=f"router policy: {', '.join(ROUTER_POLICIES)}")
     parser.add_argument("--host", default="127.0.0.1", help="host of the router and the workers")
@@ -98,15 +112,24 @@ def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
                         help="comma-separated worker ports (default: free ports)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="the router's Prometheus port (default: a free one)")
+    parser.add_argument("--gpus-per-worker", type=int, default=0,
+                        help="on a multi-GPU node: worker i gets --base-gpu-id i*N (N = its --tp-size x --dp-size)")
     parser.add_argument("--log-dir", default="cluster-logs", help="router.log and worker-<i>.log go here")
     parser.add_argument("--router-arg", action="append", default=[],
                         help="one more `smg launch` argument (repeat; e.g. --router-arg=--cache-threshold=0.3)")
+    if "-h" in own or "--help" in own:
+        parser.print_help()
+        raise SystemExit(0)
     try:
-        ns = parser.parse_args(own)
-    except (argparse.ArgumentError, SystemExit) as exc:
+        ns, unknown = parser.parse_known_args(own)
+    except argparse.ArgumentError as exc:
         raise LaunchError(f"sglang-ext cluster: {exc}") from None
+    if unknown:
+        raise LaunchError(f"sglang-ext cluster: unknown option(s) {unknown}; the workers' arguments go after '--'")
     if ns.workers < 1:
         raise LaunchError(f"sglang-ext cluster --workers {ns.workers}: needs at least 1 worker")
+    if ns.gpus_per_worker < 0:
+        raise LaunchError(f"sglang-ext cluster --gpus-per-worker {ns.gpus_per_worker}: must be >= 0")
     if ns.policy not in ROUTER_POLICIES:
         raise LaunchError(f"sglang-ext cluster --policy {ns.policy!r}: use one of {ROUTER_POLICIES}")
     if not any(a == "--model-path" or a.startswith("--model-path=") for a in worker_args):
@@ -114,7 +137,8 @@ def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
     for flag in OWNED_WORKER_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in worker_args):
             raise LaunchError(f"sglang-ext cluster: {flag} is set by the cluster for each worker; "
-                              f"leave it out of the workers' arguments (use the cluster's --host / --worker-ports)")
+                              f"leave it out of the workers' arguments (use the cluster's --host / --worker-ports / "
+                              f"--gpus-per-worker)")
     if ns.worker_ports:
         try:
             ports = tuple(int(p) for p in ns.worker_ports.split(","))
@@ -123,14 +147,16 @@ def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
         if len(ports) != ns.workers:
             raise LaunchError(f"sglang-ext cluster --worker-ports: {len(ports)} port(s) for --workers {ns.workers}")
     else:
-        ports = tuple(free_port(ns.host) for _ in range(ns.workers))
-    port = ns.port or free_port(ns.host)
-    metrics_port = ns.metrics_port or free_port(ns.host)
+        ports = ()
+    picked = iter(free_ports(ns.workers + 2, ns.host))   # distinct from each other
+    ports = ports or tuple(next(picked) for _ in range(ns.workers))
+    port = ns.port or next(picked)
+    metrics_port = ns.metrics_port or next(picked)
     if len({port, metrics_port, *ports}) != len(ports) + 2:
         raise LaunchError(f"sglang-ext cluster: router port {port}, metrics port {metrics_port} and worker "
                           f"ports {list(ports)} must all differ")
     return ClusterSpec(ns.workers, ns.policy, ns.host, port, tuple(worker_args), Path(ns.log_dir),
-                       tuple(ns.router_arg), ports, metrics_port)
+                       tuple(ns.router_arg), ports, metrics_port, ns.gpus_per_worker)
 
 
 def router_available() -> bool:
@@ -259,7 +285,11 @@ def run_cluster(argv: Sequence[str]) -> int:
     previous = {sig: signal.signal(sig, _request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster = Cluster(spec)
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except (RuntimeError, TimeoutError) as exc:   # a process died or never got ready
+            print(f"sglang-ext cluster: error: {exc}", file=sys.stderr, flush=True)
+            return 1
         started[0] = True
         print(f"sglang-ext cluster: router {spec.url} (policy {spec.policy}) -> workers "
               f"{', '.join(spec.worker_urls())}; logs in {spec.log_dir}/", flush=True)
@@ -271,6 +301,7 @@ def run_cluster(argv: Sequence[str]) -> int:
             time.sleep(0.5)
         return 0
     finally:
+        started[0] = True   # a second signal must not cut the shutdown short
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -226,7 +226,7 @@ def serve(argv: list[str]) -> None:
     export_patch_mode(plan.mode)
     if plan.mode == "cpu":
         _use_cpu_threads(cpu_thread_env(os.environ, len(os.sched_getaffinity(0))))
-    from patches import apply_patches
+    from sglang_ext.patches import apply_patches
     from sglang_ext.spawn_main import use_as_spawn_main
 
     apply_patches(plan.mode)

@@ -94,7 +94,7 @@ def check_main_process(server_args: Any) -> list[str]:
 
 
 def _apply(mode: str) -> None:
-    from patches import apply_patches
+    from sglang_ext.patches import apply_patches
 
     apply_patches(mode)
     register_cache_backends()

@@ -17,7 +17,7 @@ def apply_from_env() -> list[str]:
     mode = read_env().patch_mode
     if mode is None:
         return []
-    from patches import apply_patches
+    from sglang_ext.patches import apply_patches
 
     return apply_patches(mode)
 

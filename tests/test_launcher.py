@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from patches.version import UnsupportedSGLangVersion, check_sglang_version
 from sglang_ext import SUPPORTED_SGLANG_VERSION
 from sglang_ext.env import CPU_THREADS_VAR
 from sglang_ext.launcher import CPU_DEFAULTS, LaunchError, cpu_thread_env, plan_launch
+from sglang_ext.patches.version import UnsupportedSGLangVersion, check_sglang_version
 
 
 def test_cpu_plan_fills_defaults_without_overriding_user_flags():
@@ -100,8 +100,8 @@ def test_bad_cpu_thread_setting_is_refused_by_name(value):
 
 def test_serve_exports_cpu_thread_defaults_to_the_server_processes(monkeypatch):
     """serve() on CPU puts the chosen thread settings into the environment its children inherit."""
-    from patches import version
     from sglang_ext import cli, env
+    from sglang_ext.patches import version
 
     for var in (env.PATCH_MODE_VAR, env.SGLANG_CPU_ENGINE_VAR, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                 "KMP_BLOCKTIME", "MKL_NUM_THREADS", CPU_THREADS_VAR):
@@ -120,8 +120,8 @@ def test_wrong_sglang_version_is_refused_with_the_fix():
 
 
 def test_serve_on_a_wrong_sglang_version_exits_with_a_clear_error(monkeypatch, capsys):
-    from patches import version
     from sglang_ext import cli, env
+    from sglang_ext.patches import version
 
     for var in (env.PATCH_MODE_VAR, env.SGLANG_CPU_ENGINE_VAR):   # serve() exports these
         monkeypatch.setenv(var, "")

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
+import requests
 from tqdm import tqdm
 
 from eval.machine import BusyMachineError, CpuWindow, require_quiet, sample_load
@@ -251,6 +252,7 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label,
                                    typed=args.typed, session_ids=args.session_ids)
     other_during = window.stop()
+    worker_tokens = [_prompt_tokens_served(u) for u in _worker_urls(server)] if isinstance(server, ClusterProcess) else None
     busy = max(load.other_cpu_percent, other_during) > args.max_other_cpu
     withheld = None
     if busy and not args.allow_busy:
@@ -265,7 +267,8 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
               "busy": busy, "timings_withheld": withheld, "server_threads": threads,
               "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
               "launch_args": spec.launch_args(_common_args(args)),
-              "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None}
+              "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
+              "worker_prompt_tokens": worker_tokens}
     row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
     slug = _slug(spec.label, i)
     with open(args.out / f"requests-{slug}.jsonl", "w") as handle:
@@ -299,6 +302,17 @@ class ClusterProcess:
 
     def stop(self) -> None:
         self.cluster.stop()
+
+
+_PROMPT_TOKENS = re.compile(r"^sglang:prompt_tokens_total\{[^}]*\} (\S+)$", re.M)
+
+
+def _prompt_tokens_served(url: str) -> int:
+    """Prompt tokens a worker has served (its `/metrics`; the CPU launcher turns metrics on),
+    warm-up included: how the router spread the replay."""
+    resp = requests.get(f"{url}/metrics", timeout=60)
+    resp.raise_for_status()
+    return int(sum(float(v) for v in _PROMPT_TOKENS.findall(resp.text)))
 
 
 def _pids(server) -> list[int]:
@@ -407,6 +421,10 @@ def _markdown(report: dict) -> str:
     if options.get("baseline") or options.get("reference"):
         lines += [comparison_table(report["servers"], options.get("baseline"), options.get("reference")), ""]
     for row in report["servers"]:
+        if row.get("worker_prompt_tokens"):
+            tokens = row["worker_prompt_tokens"]
+            lines.append(f"- {row['server']}: prompt tokens per worker (router {row['router_policy']}) "
+                         + ", ".join(f"{t:,} ({t / max(sum(tokens), 1):.0%})" for t in tokens))
         if row["timings_withheld"]:
             lines.append(f"- {row['server']}: timings withheld, {row['timings_withheld']}")
         elif row["busy"]:

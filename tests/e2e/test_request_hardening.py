@@ -47,7 +47,7 @@ LONG = 3 * CHUNK + 8     # a prompt spanning three prefill chunks
 SITECUSTOMIZE = '''
 import os
 if os.environ.get("SGLANG_EXT_TEST_CPU_BOOTSTRAP") == "1":
-    from patches import CPU_PATCHES, apply_cpu_patches
+    from sglang_ext.patches import CPU_PATCHES, apply_cpu_patches
     assert apply_cpu_patches() == list(CPU_PATCHES)   # no extension seam from here
 '''
 

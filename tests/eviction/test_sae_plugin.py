@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = textwrap.dedent("""
     import os
     from types import SimpleNamespace
-    from patches import apply_cpu_patches, applied_patches
+    from sglang_ext.patches import apply_cpu_patches, applied_patches
     apply_cpu_patches()          # stands in for a GPU machine's SGLang import
     from sglang_ext import plugin
     cpu_only = applied_patches()

@@ -16,7 +16,7 @@ import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
-import patches  # noqa: E402
+from sglang_ext import patches  # noqa: E402
 
 patches.apply_patches("cpu")  # before any SGLang import
 

@@ -10,7 +10,7 @@ import torch
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")   # as every module of the suite that loads SGLang
 
-import patches  # noqa: E402
+from sglang_ext import patches  # noqa: E402
 
 patches.apply_patches("cpu")   # before any SGLang import
 

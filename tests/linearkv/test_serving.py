@@ -132,7 +132,7 @@ def server_args(tiny_model_factory):
     hybrid model, before SGLang resolves `auto`."""
     from sglang.srt.server_args import ServerArgs
 
-    import patches  # noqa: F401  (the CPU patches SGLang needs to import here)
+    from sglang_ext import patches  # noqa: F401  (the CPU patches SGLang needs to import here)
 
     path = str(tiny_model_factory("qwen3-next"))
 

@@ -6,7 +6,7 @@ import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
-import patches  # noqa: E402
+from sglang_ext import patches  # noqa: E402
 
 patches.apply_patches("cpu")  # before any SGLang import (stand-in sgl_kernel)
 
@@ -16,7 +16,7 @@ from sglang.kernels.ops.attention.fla.fused_norm_gate import FusedRMSNormGated  
 from sglang.kernels.ops.attention.fla.layernorm_gated import RMSNorm as GatedRMSNorm  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated  # noqa: E402
 
-from patches.cpu_elementwise import fused_gate_sigmoid_mul, fused_gate_sigmoid_mul_add  # noqa: E402
+from sglang_ext.patches.cpu_elementwise import fused_gate_sigmoid_mul, fused_gate_sigmoid_mul_add  # noqa: E402
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 130])

@@ -1,4 +1,4 @@
-"""`patches.extend_attention` equals SGLang's own torch_native extend attention.
+"""`sglang_ext.patches.extend_attention` equals SGLang's own torch_native extend attention.
 
 Both functions get the same random inputs (a shuffled KV pool read through req_to_token,
 several sequences with different prefix and extend lengths) and must give the same output.
@@ -11,7 +11,7 @@ import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
-import patches  # noqa: E402
+from sglang_ext import patches  # noqa: E402
 
 patches.apply_patches("cpu")  # before any SGLang import (stand-in sgl_kernel)
 
@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 
-from patches import extend_attention  # noqa: E402
+from sglang_ext.patches import extend_attention  # noqa: E402
 
 extend_attention.apply()  # no-op if the CPU patch set already did it
 ORIGINAL = extend_attention.original_run_sdpa_forward_extend

@@ -1,5 +1,5 @@
 """The live quality audit's pure parts (`sglang_ext.tail_replay.audit`: sampling decision, divergence,
-store of served distributions, config keys) and its scheduler side (`patches/tail_replay_audit.py`'s
+store of served distributions, config keys) and its scheduler side (`sglang_ext/patches/tail_replay_audit.py`'s
 `observe_forward`) on duck-typed requests, with no server."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sglang_ext.tail_replay as face
-from patches import tail_replay_audit
+from sglang_ext.patches import tail_replay_audit
 from sglang_ext.tail_replay import metrics
 from sglang_ext.tail_replay.audit import (
     FORCED,

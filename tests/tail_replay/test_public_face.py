@@ -1,4 +1,4 @@
-"""Tail-Replay's public face: `patches/` and the rest of the product reach the wing only through
+"""Tail-Replay's public face: `sglang_ext/patches/` and the rest of the product reach the wing only through
 `sglang_ext.tail_replay`, importing it loads none of SGLang's unified-cache modules, and the
 environment module does not import the wing back."""
 
@@ -30,8 +30,7 @@ def _outside_the_wing() -> list[Path]:
     """Every product and evaluation file outside the wing: patches, the top-level modules, the
     other wings (subpackages), eval and benchmarks."""
     wing = ROOT / "sglang_ext" / "tail_replay"
-    product = [*sorted((ROOT / "patches").rglob("*.py")),
-               *sorted(p for p in (ROOT / "sglang_ext").rglob("*.py") if wing not in p.parents),
+    product = [*sorted(p for p in (ROOT / "sglang_ext").rglob("*.py") if wing not in p.parents),
                *sorted((ROOT / "eval").rglob("*.py")), *sorted((ROOT / "benchmarks").rglob("*.py"))]
     assert any(p.name.startswith("tail_replay_") for p in product)   # the scan sees the patches
     assert any("linearkv" in p.parts for p in product)                # and the other wings

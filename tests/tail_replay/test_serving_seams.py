@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-import patches
+from sglang_ext import patches
 
 patches.apply_patches("cpu")  # before any SGLang import
 
@@ -18,8 +18,8 @@ from prometheus_client import REGISTRY  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from patches import tail_replay_request  # noqa: E402
 from sglang_ext import env  # noqa: E402
+from sglang_ext.patches import tail_replay_request  # noqa: E402
 from sglang_ext.tail_replay.metrics import is_recording_rank, record_plan  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
 
@@ -78,7 +78,7 @@ def test_verify_refuses_through_the_servers_limits(monkeypatch):
 PLUGIN_PROBE = textwrap.dedent("""
     import os
     from types import SimpleNamespace
-    from patches import apply_cpu_patches, applied_patches
+    from sglang_ext.patches import apply_cpu_patches, applied_patches
     apply_cpu_patches()          # stands in for a GPU machine's SGLang import
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang_ext import plugin

@@ -10,7 +10,7 @@ Two seams (SGLang 0.5.23):
   request's audit is decided once (`audit_trigger`: forced, or a not-exact answer sampled at
   `audit_rate`); an audited request's log-probabilities (float32, CPU) are kept in a bounded store
   (`PendingAudits`) under its rid, and its record's `audit` goes into meta_info
-  (`patches/tail_replay_meta.py`). A request carrying `audit_of` is an audit's reference run: its
+  (`sglang_ext/patches/tail_replay_meta.py`). A request carrying `audit_of` is an audit's reference run: its
   distribution is compared with the served one's (`divergence`), recorded (`record_audit`) and
   logged, one line per audit. Only the replica's recording rank keeps and compares.
 - tokenizer process: `srt/managers/tokenizer_manager.py::TokenizerManager._handle_batch_output`.

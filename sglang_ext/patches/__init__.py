@@ -37,7 +37,7 @@ from __future__ import annotations
 import importlib
 import logging
 
-from patches.version import check_sglang_version
+from sglang_ext.patches.version import check_sglang_version
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def apply_cpu_patches() -> list[str]:
 def _apply(names: tuple[str, ...]) -> list[str]:
     for name in names:
         if name not in _applied:
-            importlib.import_module(f"patches.{name}").apply()
+            importlib.import_module(f"sglang_ext.patches.{name}").apply()
             _applied.append(name)
     logger.debug("sglang_ext applied patches: %s", _applied)
     return list(_applied)

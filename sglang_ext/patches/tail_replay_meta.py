@@ -6,9 +6,9 @@ Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and 
 `replay_summary(record)` (the plan, and for an approximate hit the state bound from its tail's
 gates); requests without a plan (no Tail-Replay match) keep SGLang's details unchanged.
 
-Each summary is written as `patches.ipc_json.encode(summary)` (a tagged JSON string: SGLang's IPC
+Each summary is written as `sglang_ext.patches.ipc_json.encode(summary)` (a tagged JSON string: SGLang's IPC
 types the field `Dict[str, Union[int, str]]`), and turned back into an object in the tokenizer
-process by `patches.ipc_json.py`, so clients see nested JSON under both IPC modes.
+process by `sglang_ext.patches.ipc_json.py`, so clients see nested JSON under both IPC modes.
 
 Target (SGLang 0.5.23): `srt/managers/scheduler_components/output_streamer.py::
 SchedulerOutputStreamer.get_cached_tokens_details`.
@@ -26,8 +26,8 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_cached_tokens_details(self, req):
         details = original(self, req)
-        from patches.ipc_json import encode
         from sglang_ext.hooks import meta_contributions
+        from sglang_ext.patches.ipc_json import encode
         from sglang_ext.tail_replay import META_KEY, record_of, replay_summary
 
         record = record_of(req)

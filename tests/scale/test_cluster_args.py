@@ -1,0 +1,63 @@
+"""`sglang-ext cluster` argument handling: what it starts, and bad options refused by name
+(no process is started here; tests/scale/test_cluster_server.py runs the real thing)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_ext.cluster import ROUTER_POLICIES, parse_cluster_args
+from sglang_ext.launcher import LaunchError
+
+WORKER = ["--model-path", "/m", "--radix-cache-backend", "tail_replay"]
+
+
+def test_commands_of_a_two_worker_cluster():
+    spec = parse_cluster_args(["--workers", "2", "--policy", "round_robin", "--port", "31000",
+                               "--worker-ports", "31001,31002", "--metrics-port", "31003",
+                               "--log-dir", "/tmp/x", "--router-arg=--cache-threshold=0.3", "--", *WORKER])
+    assert spec.worker_urls() == ["http://127.0.0.1:31001", "http://127.0.0.1:31002"]
+    assert spec.worker_command(1) == [sys.executable, "-m", "sglang_ext", "serve", *WORKER,
+                                      "--host", "127.0.0.1", "--port", "31002"]
+    assert spec.router_command() == [
+        sys.executable, "-m", "smg", "launch", "--worker-urls", "http://127.0.0.1:31001", "http://127.0.0.1:31002",
+        "--policy", "round_robin", "--host", "127.0.0.1", "--port", "31000",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", "31003", "--cache-threshold=0.3"]
+    assert spec.log_dir == Path("/tmp/x")
+
+
+def test_gpus_per_worker_sets_each_workers_first_gpu():
+    spec = parse_cluster_args(["--workers", "2", "--gpus-per-worker", "4", "--port", "0", "--", *WORKER, "--tp-size", "4"])
+    assert spec.worker_command(0)[-2:] == ["--base-gpu-id", "0"]
+    assert spec.worker_command(1)[-2:] == ["--base-gpu-id", "4"]
+    assert "--base-gpu-id" not in parse_cluster_args(["--port", "0", "--", *WORKER]).worker_command(1)
+
+
+def test_defaults_pick_free_distinct_ports():
+    spec = parse_cluster_args(["--workers", "3", "--port", "0", "--", *WORKER])
+    assert spec.policy == "cache_aware" and spec.policy in ROUTER_POLICIES
+    ports = [spec.port, spec.metrics_port, *spec.worker_ports]
+    assert len(set(ports)) == 5 and all(p > 0 for p in ports)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--workers", "2", *WORKER], "'--'"),
+    (["--workers", "0", "--", *WORKER], "--workers 0"),
+    (["--policy", "sticky", "--", *WORKER], "--policy 'sticky'"),
+    (["--", "--radix-cache-backend", "tail_replay"], "--model-path"),
+    (["--", *WORKER, "--port", "5"], "--port is set by the cluster"),
+    (["--", *WORKER, "--host=0.0.0.0"], "--host is set by the cluster"),
+    (["--workers", "2", "--worker-ports", "1,x", "--", *WORKER], "--worker-ports '1,x'"),
+    (["--workers", "3", "--worker-ports", "31001,31002", "--", *WORKER], "2 port(s) for --workers 3"),
+    (["--port", "31001", "--workers", "2", "--worker-ports", "31001,31002", "--", *WORKER], "must all differ"),
+    (["--workers", "two", "--", *WORKER], "--workers"),
+    (["--worker", "2", "--", *WORKER], "unknown option(s) ['--worker', '2']"),
+    (["--", *WORKER, "--base-gpu-id", "1"], "--base-gpu-id is set by the cluster"),
+    (["--gpus-per-worker", "-1", "--", *WORKER], "--gpus-per-worker -1"),
+])
+def test_bad_options_are_refused_by_name(argv, names):
+    with pytest.raises(LaunchError, match="sglang-ext cluster") as err:
+        parse_cluster_args(argv)
+    assert names in str(err.value)

@@ -1,0 +1,121 @@
+"""`sglang-ext cluster` end to end: SGLang's router (smg, cache-aware) in front of two patched
+Tail-Replay workers, started by the one command a user runs.
+
+- A conversation's later turns land on the worker that holds its prefix: every turn reuses at
+  least the whole previous prompt (`meta_info.cached_tokens`), and both workers take traffic.
+- SIGTERM to the command stops the router and every worker (their ports close) and it exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import requests
+
+from sglang_ext.cluster import free_port
+
+CONVERSATIONS, TURNS, FIRST, STEP, NEW = 4, 3, 200, 60, 4
+READY = re.compile(r"router (http://\S+) \(policy (\S+)\) -> workers (.+); logs in")
+PROMPT_TOKENS = re.compile(r"^sglang:prompt_tokens_total\{[^}]*\} (\S+)$", re.M)
+
+
+def _kill_listeners(ports: list[int]) -> None:
+    """Fallback clean-up: end the process group of anything still serving on `ports`."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if any(str(p) in cmdline for p in ports) and "--port" in cmdline:
+            try:
+                os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_factory, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("cluster_logs")
+    router_port, metrics_port, w0, w1 = (free_port() for _ in range(4))
+    command = [sys.executable, "-m", "sglang_ext", "cluster", "--workers", "2", "--policy", "cache_aware",
+               "--port", str(router_port), "--metrics-port", str(metrics_port), "--worker-ports", f"{w0},{w1}",
+               "--log-dir", str(logs), "--", "--model-path", str(tiny_model_factory("qwen3-next")),
+               "--radix-cache-backend", "tail_replay", "--dtype", "float32"]
+    out = open(logs / "command.log", "w+")
+    proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, match = time.monotonic() + 600, None
+        while match is None:
+            assert proc.poll() is None, f"cluster exited ({proc.returncode}): {(logs / 'command.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "cluster not ready in 600 s"
+            time.sleep(1)
+            match = READY.search((logs / "command.log").read_text())
+        yield {"proc": proc, "url": match.group(1), "policy": match.group(2),
+               "workers": match.group(3).split(", "), "logs": logs}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        _kill_listeners([router_port, w0, w1])
+        out.close()
+
+
+def _generate(url: str, ids: list[int]) -> dict:
+    resp = requests.post(f"{url}/generate", timeout=300, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+    assert resp.status_code == 200, resp.text[:500]
+    return resp.json()
+
+
+def _prompt_tokens(worker_url: str) -> float:
+    text = requests.get(f"{worker_url}/metrics", timeout=30).text
+    return sum(float(v) for v in PROMPT_TOKENS.findall(text))
+
+
+def test_conversations_follow_their_prefix(cluster):
+    assert cluster["policy"] == "cache_aware" and len(cluster["workers"]) == 2
+    rng = random.Random(3)
+    prompts = {c: [rng.randrange(10, 500) for _ in range(FIRST)] for c in range(CONVERSATIONS)}
+    for turn in range(TURNS):
+        for c, ids in prompts.items():
+            out = _generate(cluster["url"], ids)
+            cached = out["meta_info"]["cached_tokens"]
+            if turn:
+                previous = len(ids) - NEW - STEP
+                assert cached >= previous, (c, turn, cached, previous, out["meta_info"])
+            ids += out["output_ids"] + [rng.randrange(10, 500) for _ in range(STEP)]
+    served = [_prompt_tokens(w) for w in cluster["workers"]]
+    assert all(s > 0 for s in served), served
+
+
+def test_sigterm_stops_router_and_workers(cluster):
+    proc = cluster["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0
+    for url in [cluster["url"], *cluster["workers"]]:
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"{url}/health", timeout=5)
+
+
+def test_a_worker_that_dies_at_start_stops_the_cluster(tmp_path):
+    """A worker that cannot start (an argument SGLang refuses) ends the command with exit 1 and a
+    line naming the worker and its log; nothing is left running."""
+    ports = [free_port() for _ in range(2)]
+    result = subprocess.run(
+        [sys.executable, "-m", "sglang_ext", "cluster", "--workers", "2", "--port", "0",
+         "--worker-ports", ",".join(map(str, ports)), "--log-dir", str(tmp_path),
+         "--", "--model-path", str(tmp_path), "--no-such-sglang-flag"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "sglang-ext cluster: error: worker 0" in result.stderr and "worker-0.log" in result.stderr
+    assert "--no-such-sglang-flag" in (tmp_path / "worker-0.log").read_text()
+    assert not [p for p in psutil.process_iter(["cmdline"])
+                if any(str(port) in (p.info.get("cmdline") or []) for port in ports)]
