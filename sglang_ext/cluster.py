@@ -17,6 +17,7 @@ Nothing here knows a wing: the cluster only launches processes and waits for the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -38,6 +39,7 @@ ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "leas
 #: worker flags the cluster sets itself
 OWNED_WORKER_FLAGS = ("--host", "--port", "--base-gpu-id")
 READY_TIMEOUT_S = 600.0
+PORT_RETRIES = 3
 STOP_GRACE_S = 20.0
 
 
@@ -181,8 +183,8 @@ class Cluster:
             for i in range(self.spec.workers):
                 self.workers.append(self._spawn(self.spec.worker_command(i), f"worker-{i}.log"))
             deadline = time.monotonic() + timeout_s
-            for i, url in enumerate(self.spec.worker_urls()):
-                self._wait(url + "/health_generate", deadline, f"worker {i} ({url})", self.workers[i], f"worker-{i}.log")
+            for i in range(self.spec.workers):
+                self._wait_worker(i, deadline)
             self.router = self._spawn(self.spec.router_command(), "router.log")
             self._wait_router(deadline)
         except BaseException:
@@ -198,14 +200,38 @@ class Cluster:
         finally:
             log.close()
 
-    def _wait(self, url: str, deadline: float, what: str, proc: subprocess.Popen, log_name: str) -> None:
+    def _wait(self, url: str, deadline: float, what: str, proc: subprocess.Popen, log_name: str,
+              port_check: bool = False) -> None:
         while time.monotonic() < deadline:
+            if port_check and _port_taken((self.spec.log_dir / log_name).read_text(errors="replace")):
+                raise _PortTaken(what)
             if proc.poll() is not None:
                 raise RuntimeError(f"{what} exited with code {proc.returncode}; log: {self.spec.log_dir / log_name}")
             if _get_ok(url):
                 return
             time.sleep(1.0)
         raise TimeoutError(f"{what} not ready; log: {self.spec.log_dir / log_name}")
+
+    def _wait_worker(self, i: int, deadline: float) -> None:
+        """Wait until worker i is healthy. A worker whose port was taken between choosing it and
+        binding it (by another process's own internal ports) is started again on a fresh port,
+        up to PORT_RETRIES times; the router, started after every worker, gets the final ports."""
+        for attempt in range(PORT_RETRIES + 1):
+            url = self.spec.worker_urls()[i]
+            try:
+                self._wait(url + "/health_generate", deadline, f"worker {i} ({url})", self.workers[i],
+                           f"worker-{i}.log", port_check=True)
+                return
+            except _PortTaken:
+                _stop_group(self.workers[i])
+                if attempt == PORT_RETRIES:
+                    raise RuntimeError(f"worker {i}: its port was taken {PORT_RETRIES + 1} times; "
+                                       f"log: {self.spec.log_dir / f'worker-{i}.log'}") from None
+                ports = list(self.spec.worker_ports)
+                taken = {self.spec.port, self.spec.metrics_port, *ports}
+                ports[i] = next(p for p in free_ports(len(taken) + 1, self.spec.host) if p not in taken)
+                self.spec = dataclasses.replace(self.spec, worker_ports=tuple(ports))
+                self.workers[i] = self._spawn(self.spec.worker_command(i), f"worker-{i}.log")
 
     def _wait_router(self, deadline: float) -> None:
         """The router answers /health before it has registered its workers: ready once it lists
@@ -252,6 +278,20 @@ class Cluster:
         self.stop()
 
 
+class _PortTaken(Exception):
+    """A worker could not bind its HTTP port."""
+
+
+def _port_taken(log: str) -> bool:
+    """Whether a worker's log says uvicorn could not bind its port."""
+    return "error while attempting to bind" in log and "address already in use" in log
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    _signal_group(proc, signal.SIGKILL)
+    proc.wait()
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -291,8 +331,9 @@ def run_cluster(argv: Sequence[str]) -> int:
             print(f"sglang-ext cluster: error: {exc}", file=sys.stderr, flush=True)
             return 1
         started[0] = True
-        print(f"sglang-ext cluster: router {spec.url} (policy {spec.policy}) -> workers "
-              f"{', '.join(spec.worker_urls())}; logs in {spec.log_dir}/", flush=True)
+        started_spec = cluster.spec   # as started (a worker whose port was taken has a new one)
+        print(f"sglang-ext cluster: router {started_spec.url} (policy {started_spec.policy}) -> workers "
+              f"{', '.join(started_spec.worker_urls())}; logs in {started_spec.log_dir}/", flush=True)
         while not stop_now:
             dead = cluster.exited()
             if dead:

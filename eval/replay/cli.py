@@ -288,7 +288,11 @@ class ClusterProcess:
                 "--", "--model-path", model, *worker_args]
         self.cluster = Cluster(parse_cluster_args(argv))
         self.url = self.cluster.spec.url
-        self.worker_urls = self.cluster.spec.worker_urls()
+
+    @property
+    def worker_urls(self) -> list[str]:
+        """The workers' URLs as started (a worker whose port was taken gets a fresh one)."""
+        return self.cluster.spec.worker_urls()
 
     def launch(self) -> ClusterProcess:
         return self

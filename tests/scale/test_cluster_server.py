@@ -3,6 +3,7 @@ Tail-Replay workers, started by the one command a user runs.
 
 - A conversation's later turns land on the worker that holds its prefix: every turn reuses at
   least the whole previous prompt (`meta_info.cached_tokens`), and both workers take traffic.
+- A worker whose port is taken when it starts is started again on a fresh port.
 - SIGTERM to the command stops the router and every worker (their ports close) and it exits 0.
 """
 
@@ -12,6 +13,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -47,7 +49,11 @@ def cluster(tiny_model_factory, tmp_path_factory):
                "--log-dir", str(logs), "--", "--model-path", str(tiny_model_factory("qwen3-next")),
                "--radix-cache-backend", "tail_replay", "--dtype", "float32"]
     out = open(logs / "command.log", "w+")
+    squatter = socket.socket()   # holds worker 1's port: the cluster must start it on a fresh one
+    squatter.bind(("127.0.0.1", w1))
+    squatter.listen()
     proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    ports = [router_port, w0, w1]
     try:
         deadline, match = time.monotonic() + 600, None
         while match is None:
@@ -55,16 +61,20 @@ def cluster(tiny_model_factory, tmp_path_factory):
             assert time.monotonic() < deadline, "cluster not ready in 600 s"
             time.sleep(1)
             match = READY.search((logs / "command.log").read_text())
-        yield {"proc": proc, "url": match.group(1), "policy": match.group(2),
-               "workers": match.group(3).split(", "), "logs": logs}
+        squatter.close()
+        workers = match.group(3).split(", ")
+        ports += [int(url.rsplit(":", 1)[1]) for url in workers]
+        yield {"proc": proc, "url": match.group(1), "policy": match.group(2), "workers": workers,
+               "requested": [f"http://127.0.0.1:{w0}", f"http://127.0.0.1:{w1}"], "logs": logs}
     finally:
+        squatter.close()
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-        _kill_listeners([router_port, w0, w1])
+        _kill_listeners(ports)
         out.close()
 
 
@@ -78,6 +88,11 @@ def _generate(url: str, ids: list[int]) -> dict:
 def _prompt_tokens(worker_url: str) -> float:
     text = requests.get(f"{worker_url}/metrics", timeout=30).text
     return sum(float(v) for v in PROMPT_TOKENS.findall(text))
+
+
+def test_a_taken_worker_port_is_replaced(cluster):
+    assert cluster["workers"][0] == cluster["requested"][0]
+    assert cluster["workers"][1] != cluster["requested"][1]
 
 
 def test_conversations_follow_their_prefix(cluster):
