@@ -393,8 +393,11 @@ def _alive(server) -> None:
     """The server is up and its pools add up: SGLang's strict idle check (on in these servers)
     raises in the scheduler on a leaked KV or state slot, which takes the server down."""
     assert server.proc.poll() is None, server.log_text()[-3000:]
-    out = server.generate(input_ids=_ids(30, 7), sampling_params={"max_new_tokens": 2})
-    assert len(out["output_ids"]) == 2
+    # greedy, EOS ignored: the server samples with a random seed per start, and a sampled EOS
+    # (a random tiny model) would end the answer after one token
+    out = server.generate(input_ids=_ids(30, 7),
+                          sampling_params={"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+    assert len(out["output_ids"]) == 2, out["meta_info"].get("finish_reason")
     assert server.proc.poll() is None
 
 
