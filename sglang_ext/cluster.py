@@ -242,7 +242,7 @@ class Cluster:
             if self.router.poll() is not None:
                 raise RuntimeError(f"router exited with code {self.router.returncode}; log: {self.spec.log_dir / 'router.log'}")
             body = _get_text(self.spec.url + "/workers")
-            if body is not None and all(url in body for url in self.spec.worker_urls()):
+            if body is not None and all(f"\"{url}\"" in body for url in self.spec.worker_urls()):
                 return
             time.sleep(0.5)
         raise TimeoutError(f"router did not register its workers; log: {self.spec.log_dir / 'router.log'}")
