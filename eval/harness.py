@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,26 +18,17 @@ from pathlib import Path
 
 import requests
 
+from sglang_ext.cluster import free_port, port_taken
+
 STARTUP_TIMEOUT_S = 600.0
-#: the line uvicorn logs when the server's port was taken between `free_port()` and its bind (another
-#: server's internal port, started side by side); the harness then relaunches on a fresh port
-PORT_TAKEN = "address already in use"
+#: a server whose HTTP port was taken between `free_port()` and its bind (another server's
+#: internal port, started side by side) is relaunched on a fresh port; `port_taken` reads its log
+#: (both shared with `sglang-ext cluster`, which does the same for its workers)
 PORT_RETRIES = 3
 
 
 class PortTakenError(RuntimeError):
     """The server could not bind its HTTP port."""
-
-
-def port_taken(log: str) -> bool:
-    """Whether a server log says its HTTP port could not be bound."""
-    return "error while attempting to bind" in log and PORT_TAKEN in log
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -170,7 +170,6 @@ class Cluster:
     """The running processes of one ClusterSpec; `start()` returns once the router serves."""
 
     spec: ClusterSpec
-    env: dict[str, str] = field(default_factory=dict)
     workers: list[subprocess.Popen] = field(default_factory=list)
     router: subprocess.Popen | None = None
 
@@ -195,15 +194,14 @@ class Cluster:
     def _spawn(self, command: list[str], log_name: str) -> subprocess.Popen:
         log = open(self.spec.log_dir / log_name, "w")
         try:
-            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, **self.env})
+            return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             log.close()
 
     def _wait(self, url: str, deadline: float, what: str, proc: subprocess.Popen, log_name: str,
               port_check: bool = False) -> None:
         while time.monotonic() < deadline:
-            if port_check and _port_taken((self.spec.log_dir / log_name).read_text(errors="replace")):
+            if port_check and port_taken((self.spec.log_dir / log_name).read_text(errors="replace")):
                 raise _PortTaken(what)
             if proc.poll() is not None:
                 raise RuntimeError(f"{what} exited with code {proc.returncode}; log: {self.spec.log_dir / log_name}")
@@ -282,8 +280,8 @@ class _PortTaken(Exception):
     """A worker could not bind its HTTP port."""
 
 
-def _port_taken(log: str) -> bool:
-    """Whether a worker's log says uvicorn could not bind its port."""
+def port_taken(log: str) -> bool:
+    """Whether a server's log says uvicorn could not bind its HTTP port."""
     return "error while attempting to bind" in log and "address already in use" in log
 
 
