@@ -1,5 +1,6 @@
-"""Tail-Replay's live quality audit (`sglang_ext.tail_replay` `audit`): off unless the server sets
-`audit_rate` > 0 or a request asks for `audit: true`.
+"""Tail-Replay's background exact runs: the live quality audit (`sglang_ext.tail_replay` `audit`:
+off unless the server sets `audit_rate` > 0 or a request asks for `audit: true`) and the exact
+repair (`sglang_ext.tail_replay.repair`: off unless `repair: true`).
 
 Two seams (SGLang 0.5.23):
 
@@ -19,6 +20,11 @@ Two seams (SGLang 0.5.23):
   `GenerateReqInput` through `generate_request` in an asyncio task (drained, output dropped):
   `exactness: "exact"`, no state stored, `audit_of` = the rid, one greedy token, at the
   least-favoured priority when the server runs `--enable-priority-scheduling`.
+  A finished output that carries a repair sequence (`REPAIR_KEY` in its `cached_tokens_details`,
+  put there by `sglang_ext/patches/tail_replay_meta.py`) has the key removed before SGLang's handler
+  builds the response, and unless the request was aborted the sequence is sent the same way as
+  token ids (`repair_overrides`: exact, `repair_of` = the rid, one greedy token, the request's LoRA,
+  `extra_key`, `cache_salt` and DP routing), at most `MAX_REPAIRS_IN_FLIGHT` at a time.
 
 Never raises into SGLang: a failure of the audit path is logged and the served request goes on.
 """
@@ -43,6 +49,7 @@ MAX_REFERENCES_IN_FLIGHT = 4
 
 _pending: Any = None                 # PendingAudits of this scheduler process (created on first use)
 _references: set[asyncio.Task[None]] = set()   # the tokenizer process's reference runs in flight
+_repairs: set[asyncio.Task[None]] = set()      # ... and its repair runs
 
 
 # ------------------------------------------------------------------ scheduler
@@ -91,7 +98,7 @@ def _keep(req: Any, record: Any, logits: Any) -> None:
 
     config = record.config
     bound, exact = output_provenance(record, len(req.origin_input_ids))
-    trigger = audit_trigger(forced=config.audit, reference=False, exact=exact, rid=req.rid, rate=config.audit_rate)
+    trigger = audit_trigger(forced=config.audit, reference=config.background, exact=exact, rid=req.rid, rate=config.audit_rate)
     if trigger is None:
         return
     _pending_audits().add(ServedAnswer(rid=req.rid, trigger=trigger, kind=record.plan.kind.value, bound=bound,
@@ -156,12 +163,56 @@ def _audits_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, str, Any]]
     return due
 
 
-def reference_request(tokenizer_manager: Any, rid: str, obj: Any) -> Any:
-    """The reference run of the audited request `rid` (its `GenerateReqInput` `obj`), or None when
-    its prompt cannot be sent again as is (multimodal data, embeddings, a session)."""
+def _repairs_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, list[int], Any]]:
+    """(rid, sequence, request object) of each finished request this output asks to repair; the
+    repair key is removed from every entry (a client never sees it)."""
+    from sglang_ext.tail_replay import REPAIR_KEY
+
+    details = getattr(recv_obj, "cached_tokens_details", None)
+    due = []
+    for i, entry in enumerate(details or ()):
+        if not isinstance(entry, dict) or REPAIR_KEY not in entry:
+            continue
+        sequence = entry.pop(REPAIR_KEY)
+        reason = recv_obj.finished_reasons[i] if i < len(recv_obj.finished_reasons) else None
+        if reason is None or (isinstance(reason, dict) and reason.get("type") == "abort"):
+            continue
+        state = rid_to_state.get(recv_obj.rids[i])
+        if state is not None and isinstance(sequence, list) and sequence:
+            due.append((recv_obj.rids[i], sequence, state.obj))
+    return due
+
+
+def _background_request(tokenizer_manager: Any, obj: Any, *, text: Any, input_ids: Any, overrides: dict,
+                        kind: str) -> Any:
+    """A one-token greedy run the server sends itself, in the request `obj`'s cache namespace (LoRA,
+    `extra_key`, `cache_salt`) and DP routing, at the least-favoured priority where priorities are
+    scheduled."""
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.runtime_context import get_schedule
 
+    priority = None
+    if getattr(tokenizer_manager, "enable_priority_scheduling", False):
+        priority = sys.maxsize if get_schedule().schedule_low_priority_values_first else -sys.maxsize - 1
+    return GenerateReqInput(
+        text=text, input_ids=input_ids,
+        sampling_params={"max_new_tokens": 1, "temperature": 0, "custom_params": {"tail_replay": overrides}},
+        rid=f"tail-replay-{kind}-{uuid.uuid4().hex}", priority=priority,
+        lora_path=getattr(obj, "lora_path", None), routed_dp_rank=getattr(obj, "routed_dp_rank", None),
+        extra_key=getattr(obj, "extra_key", None), cache_salt=getattr(obj, "cache_salt", None))
+
+
+def repair_request(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any) -> Any:
+    """The repair run of request `rid` (its `GenerateReqInput` `obj`) over `sequence`."""
+    from sglang_ext.tail_replay import repair_overrides
+
+    return _background_request(tokenizer_manager, obj, text=None, input_ids=list(sequence),
+                               overrides=repair_overrides(rid), kind="repair")
+
+
+def reference_request(tokenizer_manager: Any, rid: str, obj: Any) -> Any:
+    """The reference run of the audited request `rid` (its `GenerateReqInput` `obj`), or None when
+    its prompt cannot be sent again as is (multimodal data, embeddings, a session)."""
     from sglang_ext.tail_replay import reference_overrides
 
     if any(getattr(obj, name, None) for name in ("image_data", "video_data", "audio_data", "input_embeds",
@@ -170,24 +221,31 @@ def reference_request(tokenizer_manager: Any, rid: str, obj: Any) -> Any:
     text, input_ids = getattr(obj, "text", None), getattr(obj, "input_ids", None)
     if input_ids is None and not isinstance(text, str):
         return None
-    priority = None
-    if getattr(tokenizer_manager, "enable_priority_scheduling", False):
-        priority = sys.maxsize if get_schedule().schedule_low_priority_values_first else -sys.maxsize - 1
-    return GenerateReqInput(
-        text=None if input_ids is not None else text, input_ids=None if input_ids is None else list(input_ids),
-        sampling_params={"max_new_tokens": 1, "temperature": 0,
-                         "custom_params": {"tail_replay": reference_overrides(rid)}},
-        rid=f"tail-replay-audit-{uuid.uuid4().hex}", priority=priority,
-        lora_path=getattr(obj, "lora_path", None), routed_dp_rank=getattr(obj, "routed_dp_rank", None))
+    return _background_request(tokenizer_manager, obj, text=None if input_ids is not None else text,
+                               input_ids=None if input_ids is None else list(input_ids),
+                               overrides=reference_overrides(rid), kind="audit")
 
 
-async def _run_reference(tokenizer_manager: Any, rid: str, reference: Any) -> None:
+async def _run_reference(tokenizer_manager: Any, rid: str, reference: Any, what: str = "audit") -> None:
     try:
         async for _ in tokenizer_manager.generate_request(reference, None):
             pass
     except Exception as exc:   # logged, never raised: the served request is long answered
-        logger.warning("Tail-Replay audit of rid=%s: the reference run %s failed: %s: %s",
-                       rid, reference.rid, type(exc).__name__, exc)
+        logger.warning("Tail-Replay %s of rid=%s: the background run %s failed: %s: %s",
+                       what, rid, reference.rid, type(exc).__name__, exc)
+
+
+def _submit_repair(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any) -> None:
+    from sglang_ext.tail_replay import MAX_REPAIRS_IN_FLIGHT
+
+    if len(_repairs) >= MAX_REPAIRS_IN_FLIGHT:
+        logger.warning("Tail-Replay repair of rid=%s skipped: %d repair runs in flight (the conversation stays "
+                       "approximate until a later turn is repaired)", rid, len(_repairs))
+        return
+    run = repair_request(tokenizer_manager, rid, sequence, obj)
+    task = asyncio.get_running_loop().create_task(_run_reference(tokenizer_manager, rid, run, "repair"))
+    _repairs.add(task)
+    task.add_done_callback(_repairs.discard)
 
 
 def _submit(tokenizer_manager: Any, rid: str, trigger: str, obj: Any) -> None:
@@ -213,12 +271,22 @@ def _wrap_handle_batch_output(original: Callable) -> Callable:
         except Exception:
             logger.exception("Tail-Replay audit: reading the finished requests failed; no audit sent")
             due = []
+        try:
+            repairs = _repairs_due(recv_obj, self.rid_to_state)
+        except Exception:
+            logger.exception("Tail-Replay repair: reading the finished requests failed; no repair sent")
+            repairs = []
         await original(self, recv_obj)
         for rid, trigger, obj in due:
             try:
                 _submit(self, rid, trigger, obj)
             except Exception:
                 logger.exception("Tail-Replay audit of rid=%s: the reference run could not be sent", rid)
+        for rid, sequence, obj in repairs:
+            try:
+                _submit_repair(self, rid, sequence, obj)
+            except Exception:
+                logger.exception("Tail-Replay repair of rid=%s: the repair run could not be sent", rid)
 
     return _handle_batch_output
 

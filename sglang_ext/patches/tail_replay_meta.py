@@ -4,7 +4,10 @@ own key.
 
 Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and writes
 `replay_summary(record)` (the plan, and for an approximate hit the state bound from its tail's
-gates); requests without a plan (no Tail-Replay match) keep SGLang's details unchanged.
+gates); requests without a plan (no Tail-Replay match) keep SGLang's details unchanged. A
+finished answer that was not exact, on a server or request with `repair: true`, also carries its
+sequence under `REPAIR_KEY` (`sglang_ext.tail_replay.repair`) for the tokenizer process, which
+removes it and sends the repair run (`sglang_ext/patches/tail_replay_audit.py`).
 
 Each summary is written as `sglang_ext.patches.ipc_json.encode(summary)` (a tagged JSON string: SGLang's IPC
 types the field `Dict[str, Union[int, str]]`), and turned back into an object in the tokenizer
@@ -28,11 +31,14 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
         details = original(self, req)
         from sglang_ext.hooks import meta_contributions
         from sglang_ext.patches.ipc_json import encode
-        from sglang_ext.tail_replay import META_KEY, record_of, replay_summary
+        from sglang_ext.tail_replay import META_KEY, REPAIR_KEY, record_of, repair_due, repair_sequence, replay_summary
 
         record = record_of(req)
         if record is not None and record.plan is not None:
-            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(replay_summary(record, len(req.origin_input_ids)))}
+            summary = replay_summary(record, len(req.origin_input_ids))
+            details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(summary)}
+            if repair_due(record.config, exact=summary.get("exact", True), finished=req.finished()):
+                details[REPAIR_KEY] = encode(repair_sequence(req.origin_input_ids, req.output_ids))
         for key, value in meta_contributions(req):   # other wings' summaries (sglang_ext.hooks)
             details = {**(details or {"device": req.cached_tokens, "host": 0}), key: encode(value)}
         return details

@@ -54,6 +54,11 @@ A request's route (SGLang 0.5.23), seam by seam:
    in the tokenizer process (`_handle_batch_output`) its finish sends the same prompt as an exact
    reference run (`reference_overrides`: `audit_of`), whose first output is compared with it
    (`divergence`), recorded (`record_audit`) and logged.
+7. repair (off unless `repair: true`; `repair.py`). `sglang_ext/patches/tail_replay_meta.py` adds a
+   finished not-exact answer's sequence (`repair_due`, `repair_sequence`) under `REPAIR_KEY`;
+   `sglang_ext/patches/tail_replay_audit.py` removes it in the tokenizer process and sends it as an
+   exact background run (`repair_overrides`: `repair_of`), whose exact KV and end state replace the
+   approximate ones in the tree.
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ from sglang_ext.tail_replay.metrics import (
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
 from sglang_ext.tail_replay.provenance import CarrySegments, carry_segments
+from sglang_ext.tail_replay.repair import MAX_REPAIRS_IN_FLIGHT, REPAIR_KEY, repair_due, repair_overrides, repair_sequence
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attach, plan_of, record_of
 from sglang_ext.tail_replay.startup import (
     ServerFacts,
@@ -135,6 +141,7 @@ __all__ = [
     "replay_summary", "output_provenance", "record_audit", "records_here",
     "AuditResult", "Divergence", "PendingAudits", "ServedAnswer", "audit_trigger", "divergence", "log_probs",
     "prompt_key", "reference_overrides",
+    "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",
     "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
     "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
     *_FROM_CACHE,

@@ -85,6 +85,14 @@ class TailReplayConfig:
     #: set by the server on its own audit re-runs: the rid of the request this one is the reference
     #: for (never audited itself); per request only
     audit_of: str | None = None
+    #: exact repair (tail_replay/repair.py): when an answer that was not exact finishes, its
+    #: sequence (prompt and output) is recomputed exactly in the background, so the tree's nodes
+    #: along it and its end state become exact and the conversation's next turn resumes exactly
+    #: (server default, and per request)
+    repair: bool = False
+    #: set by the server on its own repair runs: the rid of the request being repaired (never
+    #: repaired or audited itself); per request only
+    repair_of: str | None = None
     #: which stored state is freed first when the state pool is full: "lru" (SGLang's order:
     #: least recently used) or "ends" (first a state its conversation has moved past, i.e. whose
     #: node continues in exactly one child with a state further down, least recently used first;
@@ -118,6 +126,11 @@ class TailReplayConfig:
         return self.exactness == "exact"
 
     @property
+    def background(self) -> bool:
+        """A run the server sent itself (an audit's reference, a repair): not traffic."""
+        return self.audit_of is not None or self.repair_of is not None
+
+    @property
     def threshold(self) -> float:
         """The bound up to which a node counts as exact for this config (0 in the exact mode)."""
         return 0.0 if self.strict else self.exact_threshold
@@ -128,12 +141,12 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
     "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
     "exactness": str, "exact_threshold": (int, float), "audit_rate": (int, float), "audit": bool,
-    "audit_of": str, "state_order": str}
+    "audit_of": str, "state_order": str, "repair": bool, "repair_of": str}
 #: keys a request may not set (a file path, what counts as exact, how much of its traffic is
 #: audited and the state pool's eviction order are the server's business)
 _SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order")
 #: keys only a request sets (what happens to one request)
-_REQUEST_ONLY = ("audit", "audit_of")
+_REQUEST_ONLY = ("audit", "audit_of", "repair_of")
 
 
 def _check(ok: bool, key: str, message: str) -> None:

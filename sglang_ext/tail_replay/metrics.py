@@ -67,6 +67,10 @@ def _counters() -> dict:
             "sglang_ext:tail_replay_audit_tv",
             "Live quality audit: total variation distance between the exact reference's and the served "
             "next-token distribution at the first output, by trigger", ["trigger"], buckets=AUDIT_TV_BUCKETS),
+        "repairs": Counter(
+            "sglang_ext:tail_replay_repairs",
+            "Exact repair runs started: a finished answer that was not exact recomputed exactly in the "
+            "background (repair: true), so its sequence's nodes and end state become exact"),
         "audits": Counter(
             "sglang_ext:tail_replay_audits",
             "Live quality audits recorded, by trigger and by whether the served and the exact reference's "
@@ -106,8 +110,10 @@ def record_first_forward(record: TailReplayRequest) -> None:
     re-matched request is not counted again)."""
     if record.plan is not None and not record.recorded:
         record.recorded = True
-        if record.config.audit_of is None:   # an audit's reference run is not traffic
+        if not record.config.background:   # an audit's reference or a repair run is not traffic
             record_plan(record.plan)
+        elif record.config.repair_of is not None and _this_rank_records():
+            _counters()["repairs"].inc()
 
 
 def record_stored_bound(kind: str, bound: float) -> None:
@@ -159,7 +165,7 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
         summary["bound"] = answer_bound
         if not record.exactness_recorded:
             record.exactness_recorded = True
-            if record.config.audit_of is None and _this_rank_records():
+            if not record.config.background and _this_rank_records():
                 _counters()["requests"].labels(exact=str(exact).lower()).inc()
     if record.audit is not None:
         summary["audit"] = record.audit
