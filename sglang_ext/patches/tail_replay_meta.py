@@ -31,7 +31,15 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
         details = original(self, req)
         from sglang_ext.hooks import meta_contributions
         from sglang_ext.patches.ipc_json import encode
-        from sglang_ext.tail_replay import META_KEY, REPAIR_KEY, record_of, repair_due, repair_sequence, replay_summary
+        from sglang_ext.tail_replay import (
+            META_KEY,
+            REPAIR_KEY,
+            record_of,
+            record_repair_finished,
+            repair_due,
+            repair_sequence,
+            replay_summary,
+        )
 
         record = record_of(req)
         if record is not None and record.plan is not None:
@@ -39,6 +47,8 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(summary)}
             if repair_due(record.config, exact=summary.get("exact", True), finished=req.finished()):
                 details[REPAIR_KEY] = encode(repair_sequence(req.origin_input_ids, req.output_ids))
+            if req.finished():
+                record_repair_finished(record)
         for key, value in meta_contributions(req):   # other wings' summaries (sglang_ext.hooks)
             details = {**(details or {"device": req.cached_tokens, "host": 0}), key: encode(value)}
         return details

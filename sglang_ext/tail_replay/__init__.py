@@ -103,6 +103,7 @@ from sglang_ext.tail_replay.metrics import (
     record_bound,
     record_first_forward,
     record_plan,
+    record_repair_finished,
     records_here,
     replay_summary,
 )
@@ -138,7 +139,7 @@ __all__ = [
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
     "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",
     "META_KEY", "is_recording_rank", "plan_summary", "record_bound", "record_first_forward", "record_plan",
-    "replay_summary", "output_provenance", "record_audit", "records_here",
+    "replay_summary", "output_provenance", "record_audit", "record_repair_finished", "records_here",
     "AuditResult", "Divergence", "PendingAudits", "ServedAnswer", "audit_trigger", "divergence", "log_probs",
     "prompt_key", "reference_overrides",
     "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",

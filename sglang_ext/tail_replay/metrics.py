@@ -69,8 +69,9 @@ def _counters() -> dict:
             "next-token distribution at the first output, by trigger", ["trigger"], buckets=AUDIT_TV_BUCKETS),
         "repairs": Counter(
             "sglang_ext:tail_replay_repairs",
-            "Exact repair runs started: a finished answer that was not exact recomputed exactly in the "
-            "background (repair: true), so its sequence's nodes and end state become exact"),
+            "Exact repair runs finished (their sequence inserted into the tree): a finished answer that was "
+            "not exact recomputed exactly in the background (repair: true), so its sequence's nodes and end "
+            "state become exact"),
         "audits": Counter(
             "sglang_ext:tail_replay_audits",
             "Live quality audits recorded, by trigger and by whether the served and the exact reference's "
@@ -112,8 +113,6 @@ def record_first_forward(record: TailReplayRequest) -> None:
         record.recorded = True
         if not record.config.background:   # an audit's reference or a repair run is not traffic
             record_plan(record.plan)
-        elif record.config.repair_of is not None and _this_rank_records():
-            _counters()["repairs"].inc()
 
 
 def record_stored_bound(kind: str, bound: float) -> None:
@@ -185,6 +184,14 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
 def record_bound(state_bound: float) -> None:
     if _this_rank_records():
         _counters()["state_bound"].observe(state_bound)
+
+
+def record_repair_finished(record: TailReplayRequest) -> None:
+    """A repair run's final output (SGLang has inserted its sequence into the tree by then): counted
+    once."""
+    if record.config.repair_of is not None and not record.repair_counted and _this_rank_records():
+        record.repair_counted = True
+        _counters()["repairs"].inc()
 
 
 def record_audit(trigger: str, divergence: Divergence) -> None:

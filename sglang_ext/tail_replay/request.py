@@ -73,6 +73,8 @@ class TailReplayRequest:
     #: ("forced" / "sampled"; None: not audited), set once its served distribution is kept
     audit_decided: bool = False
     audit: str | None = None
+    #: a repair run (tail_replay/repair.py): whether its finish went into the counters
+    repair_counted: bool = False
 
     def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0) -> None:
         """A (re-)match: the new plan and provenance, with the bounds' accumulators emptied."""

@@ -1,0 +1,84 @@
+"""Exact repair's pure parts (`sglang_ext.tail_replay.repair`: when a request is repaired, what is
+recomputed, the repair run's overrides and config keys) and the tokenizer side's reading of a batch
+output (`sglang_ext/patches/tail_replay_audit.py`'s `_repairs_due`) on duck-typed objects, with
+no server (the served path: tests/e2e/test_tail_replay_server.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_ext.patches import tail_replay_audit
+from sglang_ext.tail_replay.config import (
+    DEFAULTS,
+    TailReplayConfigError,
+    config_from_dict,
+    request_overrides,
+    with_overrides,
+)
+from sglang_ext.tail_replay.repair import REPAIR_KEY, repair_due, repair_overrides, repair_sequence
+
+ON = with_overrides(DEFAULTS, {"repair": True})
+
+
+def test_off_by_default():
+    assert DEFAULTS.repair is False
+    assert not repair_due(DEFAULTS, exact=False, finished=True)
+
+
+@pytest.mark.parametrize(("exact", "finished", "due"), [(False, True, True), (True, True, False),
+                                                         (False, False, False), (True, False, False)])
+def test_only_a_finished_answer_that_was_not_exact_is_repaired(exact, finished, due):
+    assert repair_due(ON, exact=exact, finished=finished) is due
+
+
+@pytest.mark.parametrize("overrides", [{"repair_of": "r1"}, {"audit_of": "r1"}, {"exactness": "exact"}])
+def test_background_runs_and_the_exact_mode_are_never_repaired(overrides):
+    config = with_overrides(ON, overrides)
+    assert not repair_due(config, exact=False, finished=True)
+
+
+def test_the_sequence_is_what_sglang_caches_for_a_finished_request():
+    assert repair_sequence([1, 2, 3], [7, 8, 9]) == [1, 2, 3, 7, 8]
+    assert repair_sequence([1, 2, 3], [7]) == [1, 2, 3]
+    assert repair_sequence([1, 2, 3], []) == [1, 2, 3]
+
+
+def test_repair_run_overrides_are_a_valid_request_that_is_exact_and_not_repaired_again():
+    config = request_overrides(ON, {"tail_replay": repair_overrides("rid-7")})
+    assert config.strict and config.repair_of == "rid-7" and config.background
+    assert config.keep_checkpoints == ON.keep_checkpoints   # the server's way of keeping states
+    assert not repair_due(config, exact=False, finished=True)
+
+
+def test_config_keys():
+    assert config_from_dict({"repair": True}).repair is True
+    with pytest.raises(TailReplayConfigError, match="'repair_of'.*per-request"):
+        config_from_dict({"repair_of": "x"})
+    with pytest.raises(TailReplayConfigError, match="'repair'.*wrong type"):
+        config_from_dict({"repair": 1})
+    assert request_overrides(DEFAULTS, {"tail_replay": {"repair": True}}).repair is True
+
+
+def _output(details, reasons, rids):
+    return SimpleNamespace(cached_tokens_details=details, finished_reasons=reasons, rids=rids)
+
+
+def test_tokenizer_side_removes_the_key_from_every_entry_and_sends_only_finished_ones():
+    states = {rid: SimpleNamespace(obj=f"obj-{rid}") for rid in ("a", "b", "c", "d")}
+    details = [{"device": 1, "tail_replay": {"exact": False}, REPAIR_KEY: [1, 2]},
+               {"device": 0, REPAIR_KEY: [3]},                        # aborted
+               {"device": 0, REPAIR_KEY: [4]},                        # not finished (never sent so, but safe)
+               None]
+    reasons = [{"type": "length"}, {"type": "abort", "message": "client gone"}, None, {"type": "stop"}]
+    due = tail_replay_audit._repairs_due(_output(details, reasons, ["a", "b", "c", "d"]), states)
+    assert due == [("a", [1, 2], "obj-a")]
+    assert all(REPAIR_KEY not in entry for entry in details if entry)
+    assert details[0] == {"device": 1, "tail_replay": {"exact": False}}
+
+
+def test_tokenizer_side_skips_a_request_whose_state_is_gone():
+    details = [{REPAIR_KEY: [1, 2]}]
+    assert tail_replay_audit._repairs_due(_output(details, [{"type": "stop"}], ["gone"]), {}) == []
+    assert details == [{}]
