@@ -22,10 +22,9 @@ Two seams (SGLang 0.5.23):
   least-favoured priority when the server runs `--enable-priority-scheduling`.
   A finished output that carries a repair sequence (`REPAIR_KEY` in its `cached_tokens_details`,
   put there by `sglang_ext/patches/tail_replay_meta.py`) has the key removed before SGLang's handler
-  builds the response, and unless the request was aborted its runs (`repair_runs`: the prompt, then
-  the whole sequence) are sent the same way, one after the other, as token ids (`repair_overrides`:
-  exact, `repair_of` = the rid, one greedy token, the request's LoRA, `extra_key`, `cache_salt` and
-  DP routing), at most `MAX_REPAIRS_IN_FLIGHT` repairs at a time.
+  builds the response, and unless the request was aborted the sequence is sent the same way as
+  token ids (`repair_overrides`: exact, `repair_of` = the rid, one greedy token, the request's LoRA,
+  `extra_key`, `cache_salt` and DP routing), at most `MAX_REPAIRS_IN_FLIGHT` at a time.
 
 Never raises into SGLang: a failure of the audit path is logged and the served request goes on.
 """
@@ -164,24 +163,23 @@ def _audits_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, str, Any]]
     return due
 
 
-def _repairs_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, list[list[int]], Any]]:
-    """(rid, runs, request object) of each finished request this output asks to repair
-    (`repair_runs`); the repair key is removed from every entry (a client never sees it)."""
-    from sglang_ext.tail_replay import REPAIR_KEY, repair_runs
+def _repairs_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, list[int], Any]]:
+    """(rid, sequence, request object) of each finished request this output asks to repair; the
+    repair key is removed from every entry (a client never sees it)."""
+    from sglang_ext.tail_replay import REPAIR_KEY
 
     details = getattr(recv_obj, "cached_tokens_details", None)
     due = []
     for i, entry in enumerate(details or ()):
         if not isinstance(entry, dict) or REPAIR_KEY not in entry:
             continue
-        carried = entry.pop(REPAIR_KEY)
+        sequence = entry.pop(REPAIR_KEY)
         reason = recv_obj.finished_reasons[i] if i < len(recv_obj.finished_reasons) else None
         if reason is None or (isinstance(reason, dict) and reason.get("type") == "abort"):
             continue
         state = rid_to_state.get(recv_obj.rids[i])
-        runs = repair_runs(carried["ids"], carried["prompt"]) if isinstance(carried, dict) else []
-        if state is not None and runs:
-            due.append((recv_obj.rids[i], runs, state.obj))
+        if state is not None and isinstance(sequence, list) and sequence:
+            due.append((recv_obj.rids[i], sequence, state.obj))
     return due
 
 
@@ -237,20 +235,15 @@ async def _run_reference(tokenizer_manager: Any, rid: str, reference: Any, what:
                        what, rid, reference.rid, type(exc).__name__, exc)
 
 
-async def _run_repair(tokenizer_manager: Any, rid: str, runs: list[list[int]], obj: Any) -> None:
-    """The repair's runs one after the other (each resumes from the state the one before stored)."""
-    for sequence in runs:
-        await _run_reference(tokenizer_manager, rid, repair_request(tokenizer_manager, rid, sequence, obj), "repair")
-
-
-def _submit_repair(tokenizer_manager: Any, rid: str, runs: list[list[int]], obj: Any) -> None:
+def _submit_repair(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any) -> None:
     from sglang_ext.tail_replay import MAX_REPAIRS_IN_FLIGHT
 
     if len(_repairs) >= MAX_REPAIRS_IN_FLIGHT:
         logger.warning("Tail-Replay repair of rid=%s skipped: %d repairs in flight (the conversation stays "
                        "approximate until a later turn is repaired)", rid, len(_repairs))
         return
-    task = asyncio.get_running_loop().create_task(_run_repair(tokenizer_manager, rid, runs, obj))
+    run = repair_request(tokenizer_manager, rid, sequence, obj)
+    task = asyncio.get_running_loop().create_task(_run_reference(tokenizer_manager, rid, run, "repair"))
     _repairs.add(task)
     task.add_done_callback(_repairs.discard)
 
@@ -289,9 +282,9 @@ def _wrap_handle_batch_output(original: Callable) -> Callable:
                 _submit(self, rid, trigger, obj)
             except Exception:
                 logger.exception("Tail-Replay audit of rid=%s: the reference run could not be sent", rid)
-        for rid, runs, obj in repairs:
+        for rid, sequence, obj in repairs:
             try:
-                _submit_repair(self, rid, runs, obj)
+                _submit_repair(self, rid, sequence, obj)
             except Exception:
                 logger.exception("Tail-Replay repair of rid=%s: the repair run could not be sent", rid)
 

@@ -46,8 +46,7 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
             summary = replay_summary(record, len(req.origin_input_ids))
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(summary)}
             if repair_due(record.config, exact=summary.get("exact", True), finished=req.finished()):
-                details[REPAIR_KEY] = encode({"ids": repair_sequence(req.origin_input_ids, req.output_ids),
-                                              "prompt": len(req.origin_input_ids)})
+                details[REPAIR_KEY] = encode(repair_sequence(req.origin_input_ids, req.output_ids))
             if req.finished():
                 record_repair_finished(record)
         for key, value in meta_contributions(req):   # other wings' summaries (sglang_ext.hooks)

@@ -114,7 +114,6 @@ from sglang_ext.tail_replay.repair import (
     REPAIR_KEY,
     repair_due,
     repair_overrides,
-    repair_runs,
     repair_sequence,
 )
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attach, plan_of, record_of
@@ -149,7 +148,7 @@ __all__ = [
     "replay_summary", "output_provenance", "record_audit", "record_repair_finished", "records_here",
     "AuditResult", "Divergence", "PendingAudits", "ServedAnswer", "audit_trigger", "divergence", "log_probs",
     "prompt_key", "reference_overrides",
-    "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "repair_due", "repair_overrides", "repair_runs", "repair_sequence",
+    "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",
     "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
     "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
     *_FROM_CACHE,

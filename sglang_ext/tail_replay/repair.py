@@ -3,20 +3,20 @@
 Off by default (`repair: true` in the server's config, or per request). When a request whose answer
 was not exact (meta_info `exact` false: it started from an approximate replay or an approximate
 checkpoint, and its bound did not decay below `exact_threshold`) finishes normally, the server sends
-its sequence again as background runs (`repair_runs`: the prompt, then the prompt and the output,
-all but the last output token, whose KV no request computed: that is also what SGLang inserts
-when a request finishes), one greedy token each, `exactness: "exact"` (only bound-0 nodes and
-states are reused; everything else is recomputed), each end state kept as the server keeps
-states. What they insert is exact, and exact KV replaces the approximate nodes on the same tokens
-where no request holds them (`TailReplayMambaComponent.update_component_on_insert_overlap`). So
-the conversation's next turn, which extends the prompt (a client resending it with its own
-continuation) or the whole sequence (a chat), finds an exact state near its match and resumes
-exactly: the approximation
+its sequence again as a background run: the prompt and the output (all but the last output token,
+whose KV no request computed: that is also what SGLang inserts when a request finishes), one
+greedy token, `exactness: "exact"` (only bound-0 nodes and states are reused; everything else is
+recomputed), its end state kept as the server keeps states. What it inserts is exact, and exact KV
+replaces the approximate nodes on the same tokens where no request holds them
+(`TailReplayMambaComponent.update_component_on_insert_overlap`). So the conversation's next turn,
+which extends this sequence, finds exact KV and an exact state near its match and resumes
+exactly. (A second run over the prompt alone, so that a client resending the prompt with its own
+continuation resumes exactly too, was measured and dropped: its extra state per repair cost more
+reuse under state pressure than it saved, docs/trace_replay.md section (d).) The approximation
 stays with the one answer that bought the lower time-to-first-token and does not spread into the
 conversation's later turns, nor into other clients' hits on the same tokens.
 
-What it costs: one prefill of the part of the sequence that was not exact (the second run resumes
-from the first one's state and computes only the output), and a second stored state, off the answer's
+What it costs: one prefill of the part of the sequence that was not exact, off the answer's
 critical path (sent after the answer finished; at the least-favoured priority when the server
 runs `--enable-priority-scheduling`, otherwise in arrival order with the traffic). A repair run
 is never repaired or audited itself, and a server keeps at most `MAX_REPAIRS_IN_FLIGHT` of them
@@ -26,7 +26,7 @@ turn is repaired).
 Pure: no SGLang import. The scheduler side lives in `sglang_ext/patches/tail_replay_meta.py` (the
 sequence travels to the tokenizer process under `REPAIR_KEY` in `cached_tokens_details`, which the
 tokenizer process removes before the client sees it), the sending in
-`sglang_ext/patches/tail_replay_audit.py` (one task per repair, its runs one after the other).
+`sglang_ext/patches/tail_replay_audit.py`.
 """
 
 from __future__ import annotations
@@ -53,17 +53,6 @@ def repair_sequence(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> lis
     SGLang caches for a finished request; with a repair run's own one output token it stays within
     the context length the request was served in)."""
     return [*prompt_ids, *output_ids[:-1]]
-
-
-def repair_runs(sequence: Sequence[int], prompt_len: int) -> list[list[int]]:
-    """The repair runs over `sequence`, in order: the prompt alone, then the whole sequence when it
-    is longer. Each run stores the state at its end (under `extra_buffer`, at the last tracked
-    position before it), so both ends are exact: the prompt's (where a retry, another sampled
-    answer or a client that resends the prompt with its own continuation branches off) and the
-    answer's (where a chat's next turn continues). The second run starts from the first one's
-    state and computes only the output."""
-    runs = [list(sequence[:prompt_len])] if 0 < prompt_len < len(sequence) else []
-    return [*runs, list(sequence)] if sequence else runs
 
 
 def repair_overrides(rid: str) -> dict:

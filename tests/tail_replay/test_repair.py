@@ -17,7 +17,7 @@ from sglang_ext.tail_replay.config import (
     request_overrides,
     with_overrides,
 )
-from sglang_ext.tail_replay.repair import REPAIR_KEY, repair_due, repair_overrides, repair_runs, repair_sequence
+from sglang_ext.tail_replay.repair import REPAIR_KEY, repair_due, repair_overrides, repair_sequence
 
 ON = with_overrides(DEFAULTS, {"repair": True})
 
@@ -45,13 +45,6 @@ def test_the_sequence_is_what_sglang_caches_for_a_finished_request():
     assert repair_sequence([1, 2, 3], []) == [1, 2, 3]
 
 
-def test_runs_repair_the_prompt_then_the_whole_sequence():
-    assert repair_runs([1, 2, 3, 7, 8], 3) == [[1, 2, 3], [1, 2, 3, 7, 8]]
-    assert repair_runs([1, 2, 3], 3) == [[1, 2, 3]]          # one output token: the prompt is the sequence
-    assert repair_runs([1, 2, 3], 0) == [[1, 2, 3]]
-    assert repair_runs([], 0) == []
-
-
 def test_repair_run_overrides_are_a_valid_request_that_is_exact_and_not_repaired_again():
     config = request_overrides(ON, {"tail_replay": repair_overrides("rid-7")})
     assert config.strict and config.repair_of == "rid-7" and config.background
@@ -74,18 +67,18 @@ def _output(details, reasons, rids):
 
 def test_tokenizer_side_removes_the_key_from_every_entry_and_sends_only_finished_ones():
     states = {rid: SimpleNamespace(obj=f"obj-{rid}") for rid in ("a", "b", "c", "d")}
-    details = [{"device": 1, "tail_replay": {"exact": False}, REPAIR_KEY: {"ids": [1, 2, 5], "prompt": 2}},
-               {"device": 0, REPAIR_KEY: {"ids": [3], "prompt": 1}},     # aborted
-               {"device": 0, REPAIR_KEY: {"ids": [4], "prompt": 1}},     # not finished (never sent so, but safe)
+    details = [{"device": 1, "tail_replay": {"exact": False}, REPAIR_KEY: [1, 2, 5]},
+               {"device": 0, REPAIR_KEY: [3]},                        # aborted
+               {"device": 0, REPAIR_KEY: [4]},                        # not finished (never sent so, but safe)
                None]
     reasons = [{"type": "length"}, {"type": "abort", "message": "client gone"}, None, {"type": "stop"}]
     due = tail_replay_audit._repairs_due(_output(details, reasons, ["a", "b", "c", "d"]), states)
-    assert due == [("a", [[1, 2], [1, 2, 5]], "obj-a")]
+    assert due == [("a", [1, 2, 5], "obj-a")]
     assert all(REPAIR_KEY not in entry for entry in details if entry)
     assert details[0] == {"device": 1, "tail_replay": {"exact": False}}
 
 
 def test_tokenizer_side_skips_a_request_whose_state_is_gone():
-    details = [{REPAIR_KEY: {"ids": [1, 2], "prompt": 2}}]
+    details = [{REPAIR_KEY: [1, 2]}]
     assert tail_replay_audit._repairs_due(_output(details, [{"type": "stop"}], ["gone"]), {}) == []
     assert details == [{}]
