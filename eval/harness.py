@@ -25,6 +25,12 @@ STARTUP_TIMEOUT_S = 600.0
 #: internal port, started side by side) is relaunched on a fresh port; `port_taken` reads its log
 #: (both shared with `sglang-ext cluster`, which does the same for its workers)
 PORT_RETRIES = 3
+#: SGLang's crash diagnostics, off for servers started here unless the caller's environment says
+#: otherwise: `stop()` ends the process group, so the scheduler's exit on SIGTERM reads as a crash
+#: to the server, which then sleeps 5 s for a py-spy dump before it exits (5 s per stop, no use)
+QUIET_STOP_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+#: how often a booting server's /health_generate is polled
+POLL_S = 0.25
 
 
 class PortTakenError(RuntimeError):
@@ -55,8 +61,8 @@ class ServerProcess:
     def launch(self) -> ServerProcess:
         """Start the process without waiting (several servers can then boot side by side)."""
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, env={**os.environ, **self.env} if self.env else None)
+        env = {**QUIET_STOP_ENV, **os.environ, **self.env}
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         return self
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> ServerProcess:
@@ -92,22 +98,30 @@ class ServerProcess:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(1.0)
+            time.sleep(POLL_S)
         raise TimeoutError(f"server not healthy after {timeout_s:.0f}s; log: {self.log_path}")
 
 
     def stop(self) -> None:
+        """End the process group: SIGTERM, then SIGKILL after a 20 s grace."""
+        self.signal_stop()
+        self.finish_stop()
+
+    def signal_stop(self) -> None:
+        """Send SIGTERM to the process group (`finish_stop` waits for it): several servers then
+        shut down side by side."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+
+    def finish_stop(self, grace_s: float = 20.0) -> None:
+        """Wait up to `grace_s` for the SIGTERM to end the server, then SIGKILL what is left."""
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
         self.proc = None
 
@@ -185,5 +199,8 @@ def servers_running(servers: list[ServerProcess]):
 
 
 def stop_servers(servers: list[ServerProcess]) -> None:
+    """Stop several servers side by side (SIGTERM to all, then wait for each)."""
     for server in servers:
-        server.stop()
+        server.signal_stop()
+    for server in servers:
+        server.finish_stop()

@@ -6,4 +6,5 @@ bash scripts/setup.sh
 # lint + import order (pyproject.toml [tool.ruff]) and types of the pure cores ([tool.mypy])
 .venv/bin/ruff check .
 .venv/bin/mypy
-exec .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+# the 25 slowest set-ups / calls are listed at the end of every run
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 tests "$@"

@@ -32,6 +32,13 @@ OMP_WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT_VAR = "GOMP_SPINCOUNT"
 #: Intel OpenMP (if torch was built against it): milliseconds a thread spins after a parallel region.
 KMP_BLOCKTIME_VAR = "KMP_BLOCKTIME"
+#: How the CPU server starts its children (scheduler, detokenizer): "spawn" (SGLang's way, the
+#: default; each child imports SGLang again and re-applies the patches through
+#: `sglang_ext.spawn_main`) or "fork" (the children are copies of the launcher, which has
+#: imported SGLang and applied the patches already: a server is ready in about half the time;
+#: CPU only, since CUDA cannot be forked).
+CPU_START_METHOD_VAR = "SGLANG_EXT_CPU_START_METHOD"
+CPU_START_METHODS = ("spawn", "fork")
 #: every thread setting the CPU launcher decides (recorded by the benchmarks)
 THREAD_VARS = (CPU_THREADS_VAR, OMP_NUM_THREADS_VAR, MKL_NUM_THREADS_VAR, OMP_WAIT_POLICY_VAR,
                GOMP_SPINCOUNT_VAR, KMP_BLOCKTIME_VAR)
@@ -49,6 +56,14 @@ def read_env() -> ExtEnv:
         raise ValueError(f"{PATCH_MODE_VAR}={mode!r}: expected 'cpu' or 'gpu'")
     allow = os.environ.get(ALLOW_OTHER_SGLANG_VAR, "0") not in ("", "0", "false")
     return ExtEnv(patch_mode=mode, allow_other_sglang=allow)
+
+
+def cpu_start_method() -> str:
+    """`SGLANG_EXT_CPU_START_METHOD`: "spawn" (unset) or "fork"; anything else is an error naming it."""
+    value = os.environ.get(CPU_START_METHOD_VAR) or "spawn"
+    if value not in CPU_START_METHODS:
+        raise ValueError(f"{CPU_START_METHOD_VAR}={value!r}: expected one of {', '.join(CPU_START_METHODS)}")
+    return value
 
 
 def tail_replay_config_text() -> str | None:

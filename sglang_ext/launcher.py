@@ -12,12 +12,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sglang_ext.env import (
+    CPU_START_METHOD_VAR,
     CPU_THREADS_VAR,
     GOMP_SPINCOUNT_VAR,
     KMP_BLOCKTIME_VAR,
     MKL_NUM_THREADS_VAR,
     OMP_NUM_THREADS_VAR,
     OMP_WAIT_POLICY_VAR,
+    cpu_start_method,
     export_cpu_thread_env,
     export_patch_mode,
     export_tail_replay_config,
@@ -216,6 +218,16 @@ def _use_cpu_threads(values: dict[str, str]) -> None:
         torch.set_num_threads(int(values[OMP_NUM_THREADS_VAR]))
 
 
+def _check_start_method(mode: str) -> None:
+    """`SGLANG_EXT_CPU_START_METHOD` (see sglang_ext/env.py): a known value, and fork only on CPU."""
+    try:
+        method = cpu_start_method()
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    if method == "fork" and mode != "cpu":
+        raise LaunchError(f"{CPU_START_METHOD_VAR}=fork is for the CPU server only (CUDA cannot be forked); unset it")
+
+
 def serve(argv: list[str]) -> None:
     """Apply patches for the chosen mode, then run SGLang's own server entry point."""
     argv, tail_replay_config = _pop_flag(argv, TAIL_REPLAY_CONFIG_FLAG)
@@ -223,6 +235,7 @@ def serve(argv: list[str]) -> None:
     argv, linearkv_config = _pop_flag(argv, LINEARKV_CONFIG_FLAG)
     _export_linearkv_config(linearkv_config)
     plan = plan_launch(argv)
+    _check_start_method(plan.mode)
     export_patch_mode(plan.mode)
     if plan.mode == "cpu":
         _use_cpu_threads(cpu_thread_env(os.environ, len(os.sched_getaffinity(0))))

@@ -1,12 +1,25 @@
-"""Shared helpers for the test suite: tiny checkpoints are built once per session."""
+"""Shared helpers for the test suite: tiny checkpoints are built once per session.
+
+CPU servers started by the suite fork their children from the launcher
+(`SGLANG_EXT_CPU_START_METHOD=fork`, sglang_ext/env.py): a server is ready in about half the
+time, since its scheduler and detokenizer do not import SGLang again. The path SGLang takes on
+GPUs, spawned children that re-apply the patches, is kept by the modules that pass
+`tests.e2e.serving.SPAWN_ENV` (the Qwen3-Next server, checked against transformers) and by the
+plain-SGLang plugin path. A caller's own
+setting of the variable wins.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from eval.fixtures.tiny import build_tiny_model
+from sglang_ext.env import CPU_START_METHOD_VAR
+
+os.environ.setdefault(CPU_START_METHOD_VAR, "fork")
 
 
 @pytest.fixture(scope="session")

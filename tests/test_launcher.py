@@ -150,3 +150,28 @@ def test_tail_replay_start_is_checked_in_the_main_process(monkeypatch, config, k
     with pytest.raises(LaunchError, match=re.escape(needle)):
         _check_tail_replay_start(SimpleNamespace(radix_cache_backend="tail_replay", kv_cache_dtype=kv_dtype))
     _check_tail_replay_start(SimpleNamespace(radix_cache_backend=None, kv_cache_dtype=kv_dtype))  # not ours
+
+
+def test_bad_start_method_is_refused_by_name(monkeypatch, capsys):
+    from sglang_ext import cli, env
+
+    for var in (env.PATCH_MODE_VAR, env.SGLANG_CPU_ENGINE_VAR):   # serve() exports these
+        monkeypatch.setenv(var, "")
+    monkeypatch.setenv(env.CPU_START_METHOD_VAR, "forkserver")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--model-path", "m", "--device", "cpu"])
+    assert exit_info.value.code == 2
+    assert "SGLANG_EXT_CPU_START_METHOD='forkserver': expected one of spawn, fork" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode, method, refused", [("cpu", "fork", False), ("cpu", "spawn", False),
+                                                   ("gpu", "spawn", False), ("gpu", "fork", True)])
+def test_fork_is_for_the_cpu_server_only(monkeypatch, mode, method, refused):
+    from sglang_ext import env, launcher
+
+    monkeypatch.setenv(env.CPU_START_METHOD_VAR, method)
+    if refused:
+        with pytest.raises(LaunchError, match="SGLANG_EXT_CPU_START_METHOD=fork is for the CPU server only"):
+            launcher._check_start_method(mode)
+    else:
+        launcher._check_start_method(mode)

@@ -54,6 +54,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_nemotron_h_router",
     "cpu_memory_budget",
     "cpu_pin_memory",
+    "cpu_start_method",     # SGLANG_EXT_CPU_START_METHOD=fork: children forked, not spawned
     "cpu_mamba_track",
     "cpu_extra_buffer",     # after cpu_gdn / cpu_mamba2: the ops extra_buffer reads
 )

@@ -1,5 +1,6 @@
 """The patched CPU server serves the Qwen3-Next-proportioned fixture (hidden 512, 8 layers, 16
-experts, top-10) exactly like transformers, so the TTFT benchmark times the real model."""
+experts, top-10) exactly like transformers, so the TTFT benchmark times the real model. Its
+children are forked from the launcher (the suite's start method, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from eval.harness import ServerProcess
 from eval.reference import greedy_reference, load_reference_model
-from tests.e2e.serving import NEW_TOKENS, assert_matches_reference, greedy, random_prompt
+from tests.e2e.serving import NEW_TOKENS, assert_matches_reference, children_forked, greedy, random_prompt
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +33,7 @@ def test_greedy_output_and_logprobs_equal_transformers(server, model_dir):
     result = greedy(server, ids, input_logprobs=True)
     reference = greedy_reference(load_reference_model(model_dir), ids, NEW_TOKENS)
     assert_matches_reference(result, reference, input_logprobs=True)
+
+
+def test_children_are_forked(server):
+    assert children_forked(server)

@@ -1,4 +1,7 @@
-"""The patched CPU server serves a tiny Qwen3-Next (GDN + attention, MoE) exactly like transformers."""
+"""The patched CPU server serves a tiny Qwen3-Next (GDN + attention, MoE) exactly like transformers.
+
+Its children are spawned, as SGLang does on GPUs (the suite forks them elsewhere): the patches
+the children re-apply (`sglang_ext.spawn_main`) are what this module checks."""
 
 from __future__ import annotations
 
@@ -10,7 +13,16 @@ import requests
 
 from eval.harness import ServerProcess
 from eval.reference import greedy_reference, load_reference_model
-from tests.e2e.serving import NEW_TOKENS, assert_matches_reference, continue_conversation, greedy, metric_total, random_prompt
+from tests.e2e.serving import (
+    NEW_TOKENS,
+    SPAWN_ENV,
+    assert_matches_reference,
+    children_forked,
+    continue_conversation,
+    greedy,
+    metric_total,
+    random_prompt,
+)
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +33,13 @@ def model_dir(tiny_model_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "qwen3_next_server.log"
-    srv = ServerProcess(str(model_dir), ["--dtype", "float32", "--chunked-prefill-size", "128"], log_path=log)
+    srv = ServerProcess(str(model_dir), ["--dtype", "float32", "--chunked-prefill-size", "128"], log_path=log, env=SPAWN_ENV)
     with srv:
         yield srv
+
+
+def test_children_are_spawned(server):
+    assert not children_forked(server)
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,8 @@ Qwen3-Next): a typed multi-turn workload that forces eviction, measured against 
 request sequence; typed `/generate` spans and their 400s; chat completions; /metrics; a bad policy
 config stops the start-up naming the key.
 
-Servers run one at a time: the LRU baseline boots, serves the workload and stops, then the SAE
-server boots for the rest of the module.
+The LRU baseline and the SAE server boot side by side; the baseline serves the workload and
+stops, the SAE server stays for the rest of the module.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import pytest
 import requests
 
-from eval.harness import ServerProcess
+from eval.harness import ServerProcess, start_servers, stop_servers
 from tests.e2e.serving import metric_total
 
 #: KV pool (tokens): three of the four conversations fit, not four (round 2 on)
@@ -55,21 +55,31 @@ def run_workload(server: ServerProcess) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def lru_cached(tiny_model_factory, tmp_path_factory):
+def booted(tiny_model_factory, tmp_path_factory):
+    """(lru, sae) servers, booted side by side; both stopped at the end of the module."""
     logs = tmp_path_factory.mktemp("sae_logs")
-    with ServerProcess(str(tiny_model_factory("qwen3-next")), _args("lru"), log_path=logs / "lru.log") as server:
-        return run_workload(server)
+    model = str(tiny_model_factory("qwen3-next"))
+    servers = [ServerProcess(model, _args("lru"), log_path=logs / "lru.log"),
+               ServerProcess(model, _args("sae", SAE_CONFIG), log_path=logs / "sae.log")]
+    start_servers(servers)
+    try:
+        yield servers
+    finally:
+        stop_servers(servers)
 
 
 @pytest.fixture(scope="module")
-def sae(tiny_model_factory, tmp_path_factory, lru_cached):
-    logs = tmp_path_factory.mktemp("sae_logs")
-    server = ServerProcess(str(tiny_model_factory("qwen3-next")), _args("sae", SAE_CONFIG), log_path=logs / "sae.log")
-    server.start()
+def lru_cached(booted):
+    lru = booted[0]
     try:
-        yield server
+        return run_workload(lru)
     finally:
-        server.stop()
+        lru.stop()
+
+
+@pytest.fixture(scope="module")
+def sae(booted, lru_cached):
+    return booted[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ reuses anything (the default backend needs a state at the end of a hit); once SA
 session return, it frees the one-offs' states first and the third turn resumes on turn 2's
 end state.
 
-Servers run one at a time: LRU, then SAE, each serving the same request sequence.
+LRU and SAE boot side by side, then serve the same request sequence one after the other.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import random
 
-from eval.harness import ServerProcess
+from eval.harness import ServerProcess, servers_running
 
 STATE_SLOTS, GAP, NEW = 4, 5, 4
 
@@ -59,10 +59,9 @@ def run_workload(server: ServerProcess) -> list[int]:
 
 def test_sae_keeps_the_checkpoint_of_the_session_that_returns(tiny_model_factory, tmp_path):
     model = str(tiny_model_factory("qwen3-next"))
-    results = {}
-    for policy in ("lru", "sae"):
-        with ServerProcess(model, _args(policy), log_path=tmp_path / f"{policy}.log") as server:
-            results[policy] = run_workload(server)
+    servers = {policy: ServerProcess(model, _args(policy), log_path=tmp_path / f"{policy}.log") for policy in ("lru", "sae")}
+    with servers_running(list(servers.values())):   # booted side by side, served one after the other
+        results = {policy: run_workload(server) for policy, server in servers.items()}
     print(f"\ncached tokens per request\n  lru: {results['lru']}\n  sae: {results['sae']}")
     lru, sae = results["lru"], results["sae"]
     turn_3 = 2 * GAP + 2   # index of the third turn
