@@ -36,7 +36,7 @@ EVAL = [
 ]
 #: `sglang-ext cluster` (SGLang's router)
 SCALE = ["smg>=1.13"]
-TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "ruff>=0.15", "mypy>=1.10"]
+TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.15", "mypy>=1.10"]
 
 setup(
     name="sglang-hybrid-cache",

@@ -6,5 +6,7 @@ bash scripts/setup.sh
 # lint + import order (pyproject.toml [tool.ruff]) and types of the pure cores ([tool.mypy])
 .venv/bin/ruff check .
 .venv/bin/mypy
-# the 25 slowest set-ups / calls are listed at the end of every run
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 tests "$@"
+# two workers (pytest-xdist), one test module per worker at a time (module-scoped servers boot once;
+# tests/conftest.py gives each worker and its servers one compute thread), and the 25 slowest
+# set-ups / calls listed at the end; a later `-n 0` runs everything in this process
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile --durations=25 tests "$@"

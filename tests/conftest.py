@@ -7,6 +7,10 @@ GPUs, spawned children that re-apply the patches, is kept by the modules that pa
 `tests.e2e.serving.SPAWN_ENV` (the Qwen3-Next server, checked against transformers) and by the
 plain-SGLang plugin path. A caller's own
 setting of the variable wins.
+
+`scripts/test.sh` runs the suite on two pytest-xdist workers (a module per worker at a time); each
+worker then computes with one thread and its servers get `SGLANG_EXT_CPU_THREADS=1`, so the two
+workers' OpenMP threads do not wait on each other's cores.
 """
 
 from __future__ import annotations
@@ -17,9 +21,16 @@ from pathlib import Path
 import pytest
 
 from eval.fixtures.tiny import build_tiny_model
-from sglang_ext.env import CPU_START_METHOD_VAR
+from sglang_ext.env import CPU_START_METHOD_VAR, CPU_THREADS_VAR
 
 os.environ.setdefault(CPU_START_METHOD_VAR, "fork")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the cores: one compute thread per server and per worker, or their OpenMP
+    # threads wait on each other's cores
+    import torch
+
+    os.environ.setdefault(CPU_THREADS_VAR, "1")
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import signal
+import sys
 import time
 
 import pytest
 
-from eval.harness import sigterm_deferred, sigterm_unwinds
+from eval.harness import QUIET_STOP_ENV, ServerProcess, sigterm_deferred, sigterm_unwinds, stop_servers
 
 
 def test_sigterm_unwinds_through_finally_and_restores_the_handler():
@@ -77,5 +80,55 @@ def test_a_server_whose_port_was_taken_is_relaunched_on_a_fresh_port(tmp_path):
         assert len(Fake.launches) == 2 and Fake.launches[0] != Fake.launches[1]
         assert server.port == Fake.launches[1]
         assert time.monotonic() - started < 30
+    finally:
+        server.stop()
+
+
+class _Sleeper(ServerProcess):
+    """A stand-in server: a Python process that records its environment, then sleeps (ignoring
+    SIGTERM when asked), in its own process group like a real one."""
+
+    def __init__(self, out, ignore_term=False):
+        super().__init__("unused", env={"SLEEPER_OUT": str(out)})
+        self.ignore_term = ignore_term
+
+    def command(self) -> list[str]:
+        code = ("import json, os, signal, sys, time\n"
+                "json.dump(dict(os.environ), open(os.environ['SLEEPER_OUT'], 'w'))\n"
+                + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if self.ignore_term else "")
+                + "time.sleep(60)\n")
+        return [sys.executable, "-c", code]
+
+
+def _wait_for(path):
+    deadline = time.monotonic() + 30
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} not written"
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def test_stop_servers_ends_every_group_and_servers_start_without_crash_diagnostics(tmp_path):
+    servers = [_Sleeper(tmp_path / "a.json"), _Sleeper(tmp_path / "b.json", ignore_term=True)]
+    for server in servers:
+        server.launch()
+    envs = [_wait_for(tmp_path / name) for name in ("a.json", "b.json")]
+    # SGLang would read a group SIGTERM as a crash and sleep 5 s for a py-spy dump
+    assert all(env[var] == "0" for env in envs for var in QUIET_STOP_ENV)
+    pids = [server.proc.pid for server in servers]
+    servers[1].finish_stop = functools.partial(ServerProcess.finish_stop, servers[1], grace_s=0.5)
+    stop_servers(servers)
+    assert all(server.proc is None for server in servers)
+    for pid in pids:   # both groups are gone: SIGTERM for one, SIGKILL after the grace for the other
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
+
+
+def test_a_callers_environment_wins_over_the_quiet_stop_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")
+    server = _Sleeper(tmp_path / "c.json")
+    server.launch()
+    try:
+        assert _wait_for(tmp_path / "c.json")["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
     finally:
         server.stop()
