@@ -3,10 +3,9 @@
 CPU servers started by the suite fork their children from the launcher
 (`SGLANG_EXT_CPU_START_METHOD=fork`, sglang_ext/env.py): a server is ready in about half the
 time, since its scheduler and detokenizer do not import SGLang again. The path SGLang takes on
-GPUs, spawned children that re-apply the patches, is kept by the modules that pass
-`tests.e2e.serving.SPAWN_ENV` (the Qwen3-Next server, checked against transformers) and by the
-plain-SGLang plugin path. A caller's own
-setting of the variable wins.
+GPUs, spawned children that re-apply the patches, is kept by the module that passes
+`tests.e2e.serving.SPAWN_ENV` (the Qwen3-Next server, checked against transformers, which also
+checks that its children were not forked). A caller's own setting of the variable wins.
 
 `scripts/test.sh` runs the suite on two pytest-xdist workers (a module per worker at a time); each
 worker then computes with one thread and its servers get `SGLANG_EXT_CPU_THREADS=1`, so the two
