@@ -35,8 +35,8 @@ KMP_BLOCKTIME_VAR = "KMP_BLOCKTIME"
 #: How the CPU server starts its children (scheduler, detokenizer): "spawn" (SGLang's way, the
 #: default; each child imports SGLang again and re-applies the patches through
 #: `sglang_ext.spawn_main`) or "fork" (the children are copies of the launcher, which has
-#: imported SGLang and applied the patches already: a server is ready in about half the time;
-#: CPU only, since CUDA cannot be forked).
+#: imported SGLang and applied the patches already: the tiny fixture's server is ready ~1.6x sooner,
+#: benchmarks/start_method.py; CPU only, since CUDA cannot be forked).
 CPU_START_METHOD_VAR = "SGLANG_EXT_CPU_START_METHOD"
 CPU_START_METHODS = ("spawn", "fork")
 #: every thread setting the CPU launcher decides (recorded by the benchmarks)

@@ -1,8 +1,8 @@
 """Shared helpers for the test suite: tiny checkpoints are built once per session.
 
 CPU servers started by the suite fork their children from the launcher
-(`SGLANG_EXT_CPU_START_METHOD=fork`, sglang_ext/env.py): a server is ready in about half the
-time, since its scheduler and detokenizer do not import SGLang again. The path SGLang takes on
+(`SGLANG_EXT_CPU_START_METHOD=fork`, sglang_ext/env.py): a server is ready sooner, since its
+scheduler and detokenizer do not import SGLang again (benchmarks/start_method.py). The path SGLang takes on
 GPUs, spawned children that re-apply the patches, is kept by the module that passes
 `tests.e2e.serving.SPAWN_ENV` (the Qwen3-Next server, checked against transformers, which also
 checks that its children were not forked). A caller's own setting of the variable wins.

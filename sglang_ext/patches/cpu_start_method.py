@@ -4,8 +4,8 @@
 Targets `srt/entrypoints/engine.py::_set_envs_and_config` (SGLang 0.5.23, ~line 1995), which
 calls `mp.set_start_method("spawn", force=True)` on the module's `mp` (the stdlib
 `multiprocessing`) before the scheduler and detokenizer processes start. Spawned children import
-SGLang and re-apply the patches (`sglang_ext.spawn_main`): ~12 s of CPU each for a tiny model on
-2 cores, most of a CPU server's start-up. Forked children are copies of the launcher process,
+SGLang and re-apply the patches (`sglang_ext.spawn_main`), most of a tiny model's CPU start-up
+(benchmarks/start_method.py). Forked children are copies of the launcher process,
 which has imported SGLang and applied the patches already. Only the module's `mp` is replaced (by
 a view of `multiprocessing` whose `set_start_method` picks fork), so nothing else in the process
 changes its start method unless SGLang's own call sets the default. CUDA cannot be forked: the
