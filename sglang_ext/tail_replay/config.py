@@ -31,8 +31,9 @@ from sglang_ext.tail_replay.decay_profile import (
 #: `--radix-cache-backend` name of Tail-Replay
 BACKEND_NAME = "tail_replay"
 KV_MODES = ("exact", "recompute")
-#: `exactness`: "approximate" (reuse approximately where that pays) or "exact" (only exact nodes)
-EXACTNESS = ("approximate", "exact")
+#: `exactness`: "approximate" (reuse approximately where that pays), "exact_first" (exact wherever an
+#: exact state is on the matched path, approximate only where there is none) or "exact" (only exact nodes)
+EXACTNESS = ("approximate", "exact_first", "exact")
 #: `state_order`: which stored state goes first under state pressure: "lru" (SGLang's order) or
 #: "ends" (a state its conversation has moved past first, then least recently used)
 STATE_ORDERS = ("lru", "ends")
@@ -70,8 +71,11 @@ class TailReplayConfig:
     #: the decay profile file (default: decay.json in the model folder, found at start-up)
     decay_profile: str | None = None
     #: "approximate": reuse every cached token, replaying approximately where no exact state is
-    #: near; "exact": reuse only strictly exact nodes and states (bound 0), recompute the rest
-    #: (SGLang's semantics: every output equals a server without cache)
+    #: near; "exact_first": where an exact state is on the matched path, resume from it and
+    #: recompute the rest exactly (stock SGLang's hit, served as stock serves it), and replay
+    #: approximately only where there is none (where stock misses); "exact": reuse only strictly
+    #: exact nodes and states (bound 0), recompute the rest (SGLang's semantics: every output
+    #: equals a server without cache)
     exactness: str = "approximate"
     #: a node or state whose bound (tail_replay/provenance.py) is at most this counts as exact
     #: in the "approximate" mode (float noise of the linear state, relative); 0: only bound 0
@@ -124,6 +128,11 @@ class TailReplayConfig:
     def strict(self) -> bool:
         """`exactness: "exact"`: only strictly exact nodes and states are reused."""
         return self.exactness == "exact"
+
+    @property
+    def exact_first(self) -> bool:
+        """`exactness: "exact_first"`: an exact state on the matched path is always taken."""
+        return self.exactness == "exact_first"
 
     @property
     def background(self) -> bool:

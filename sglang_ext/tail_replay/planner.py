@@ -7,6 +7,8 @@ counts as exact, if any), A (depth and bound of the deepest approximate checkpoi
 page size, and the config. Output: a ReplayPlan.
 
 - EXACT_CHECKPOINT:       L - C <= W: start from the checkpoint's state at C, recompute [C, L).
+                          `exactness: "exact_first"` (and "exact"): whenever C exists and the
+                          window does not reach the first token (stock SGLang's hit, exact).
 - APPROXIMATE_CHECKPOINT: A deeper than C, L - A <= W, and A's bound no worse than a fresh
                           replay's (the decay profile's d^W where the server has one, else any
                           bound: a replay from zero may drop the whole state, bound 1): resume from
@@ -101,7 +103,9 @@ def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
     start = max(matched_len - window, 0) // page_size * page_size
     if start == 0:   # the window, cut to whole pages, reaches the first token: exact
         return ReplayPlan(HitKind.EXACT_REPLAY, matched_len, 0, 0)
-    if config.strict:   # no approximation: the exact checkpoint, recomputing the rest, or nothing
+    if config.strict or (config.exact_first and checkpoint_len):
+        # no approximation where an exact state is on the path (exact_first), or at all (exact):
+        # the exact checkpoint, recomputing the rest, or nothing
         if checkpoint_len:
             return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
         return ReplayPlan(HitKind.MISS, matched_len, 0, 0)

@@ -83,7 +83,7 @@ prompts = st.builds(
 #: per-request `custom_params["tail_replay"]` overrides
 overrides = st.sampled_from([None, None, {"keep_checkpoints": False}, {"budget": 0.5},
                              {"min_match_tokens": 0, "min_replay_tokens": 0}, {"exactness": "exact"},
-                             {"exactness": "exact", "budget": 0.5}])
+                             {"exactness": "exact", "budget": 0.5}, {"exactness": "exact_first"}])
 #: the simulated linear layer and its heads
 LAYER, HEADS = 0, 2
 
@@ -259,6 +259,11 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         req.lock = self.cache.lock(req.last_node)
         if request_config(self.config, req).strict:
             assert plan.kind not in (HitKind.APPROXIMATE, HitKind.APPROXIMATE_CHECKPOINT)
+        if request_config(self.config, req).exact_first and not plan.state_is_exact:
+            # approximate only where no state on the matched path counts as exact (the path to
+            # L for a fresh replay, to the resumed state for an approximate checkpoint)
+            prov = self.cache.path_provenance(req.last_node)
+            assert prov.deepest_exact_state(self.config.exact_threshold, False) is None
         self.check_reads(req)
         if plan.from_checkpoint:
             assert req.kv.holds_mamba and req.kv.mamba_cow_src_index is not None

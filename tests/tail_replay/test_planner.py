@@ -325,15 +325,16 @@ def test_with_overrides_requires_an_object(overrides):
 # ---------------------------------------------------------------- property test
 
 configs = st.builds(
-    lambda budget, lo, extra, min_match, keep, mode: TailReplayConfig(
+    lambda budget, lo, extra, min_match, keep, mode, exactness: TailReplayConfig(
         budget=budget, min_replay_tokens=lo, max_replay_tokens=lo + extra,
-        min_match_tokens=min_match, keep_checkpoints=keep, kv_mode=mode),
+        min_match_tokens=min_match, keep_checkpoints=keep, kv_mode=mode, exactness=exactness),
     st.floats(0.0, 1.0, allow_nan=False),
     st.integers(0, 300),
     st.integers(0, 3000),
     st.integers(0, 500),
     st.booleans(),
     st.sampled_from(["exact", "recompute"]),
+    st.sampled_from(["approximate", "exact_first", "exact"]),
 )
 
 
@@ -376,6 +377,9 @@ def test_plan_properties(args):
     # a checkpoint within the window always wins
     if checkpoint is not None and matched - checkpoint <= window:
         assert plan.kind is HitKind.EXACT_CHECKPOINT
+    # exact_first and exact: never approximate where an exact state is on the path; exact: never
+    if checkpoint is not None and cfg.exactness != "approximate" or cfg.exactness == "exact":
+        assert plan.state_is_exact
     # the window is clamped
     assert cfg.min_replay_tokens <= window <= cfg.max_replay_tokens
     assert window == min(max(math.ceil(cfg.budget * matched), cfg.min_replay_tokens), cfg.max_replay_tokens)

@@ -130,6 +130,24 @@ def test_exact_mode_never_plans_an_approximation():
     assert plan_replay(30, None, 1, dataclasses.replace(strict, budget=1.0)).kind is HitKind.EXACT_REPLAY   # W >= L
 
 
+def test_exact_first_takes_any_exact_checkpoint_and_approximates_only_without_one():
+    first = dataclasses.replace(CFG, exactness="exact_first")
+    # an exact state far behind the match (stock SGLang's hit): resumed from, the rest recomputed,
+    # where the default replays the last W tokens approximately
+    assert plan_replay(500, 100, 1, first) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 500, 100, 100)
+    assert plan_replay(500, 100, 1, CFG).kind is HitKind.APPROXIMATE
+    # ... and wins over a deeper approximate state (the default resumes from that one)
+    assert plan_replay(500, 100, 1, first, (480, 0.3)).kind is HitKind.EXACT_CHECKPOINT
+    assert plan_replay(500, 100, 1, CFG, (480, 0.3)).kind is HitKind.APPROXIMATE_CHECKPOINT
+    # no exact state on the path (where stock misses): approximate as by default
+    assert plan_replay(500, None, 1, first, (480, 0.3)) == ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 500, 480, 480)
+    assert plan_replay(500, None, 1, first) == ReplayPlan(HitKind.APPROXIMATE, 500, 450, 450)
+    # a window that reaches the first token is an exact replay (it reuses the whole match's KV)
+    assert plan_replay(60, None, 1, dataclasses.replace(first, budget=1.0)) == ReplayPlan(HitKind.EXACT_REPLAY, 60, 0, 0)
+    assert first.exact_first and not first.strict and first.threshold == CFG.exact_threshold
+    assert config_from_dict({"exactness": "exact_first"}).exact_first
+
+
 def test_exactness_keys_are_validated_and_the_threshold_is_the_servers():
     assert config_from_dict({"exactness": "exact"}).threshold == 0.0
     assert config_from_dict({"exact_threshold": 1e-3}).threshold == 1e-3
