@@ -238,6 +238,10 @@ class TailReplayMambaComponent(MambaComponent):
             victim = self._superseded_state(lru)
             if victim is not None:
                 return victim
+        if self.config.state_order == "approximate_first" and not by_session:
+            victim = self._approximate_state(lru)
+            if victim is not None:
+                return victim
         if self._evict_device_cursor is not None and not lru.in_list(self._evict_device_cursor):
             self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_lru_no_lock()
         victim = self._evict_device_cursor
@@ -256,6 +260,20 @@ class TailReplayMambaComponent(MambaComponent):
         while node is not None:
             data = node.component_data[self.component_type]
             if data.value is not None and data.lock_ref == 0 and _continues_to_a_state(node, self.component_type):
+                return node
+            node = lru.get_prev_no_lock(node)
+        return None
+
+    def _approximate_state(self, lru: Any) -> Any:
+        """State order "approximate_first": the least recently used unlocked state that does not
+        count as exact (its bound above `exact_threshold`), or None, so that exact states (the
+        ones stock SGLang would hold and serve exact hits from) outlive approximate ones. Reads only."""
+        node = lru.get_lru_no_lock()
+        while node is not None:
+            data = node.component_data[self.component_type]
+            prov = provenance_of(node)
+            if data.value is not None and data.lock_ref == 0 and prov is not None \
+                    and not provenance.counts_exact(prov.state, self.config.exact_threshold):
                 return node
             node = lru.get_prev_no_lock(node)
         return None

@@ -34,9 +34,10 @@ KV_MODES = ("exact", "recompute")
 #: `exactness`: "approximate" (reuse approximately where that pays), "exact_first" (exact wherever an
 #: exact state is on the matched path, approximate only where there is none) or "exact" (only exact nodes)
 EXACTNESS = ("approximate", "exact_first", "exact")
-#: `state_order`: which stored state goes first under state pressure: "lru" (SGLang's order) or
-#: "ends" (a state its conversation has moved past first, then least recently used)
-STATE_ORDERS = ("lru", "ends")
+#: `state_order`: which stored state goes first under state pressure: "lru" (SGLang's order),
+#: "ends" (a state its conversation has moved past first, then least recently used) or
+#: "approximate_first" (a state that does not count as exact first, then least recently used)
+STATE_ORDERS = ("lru", "ends", "approximate_first")
 #: per-request overrides: `sampling_params.custom_params["tail_replay"] = {"budget": 0.1, ...}`
 REQUEST_PARAM_KEY = "tail_replay"
 #: `budget: "auto"`: the window certified by the model's decay profile (tail_replay/decay_profile.py)
@@ -100,7 +101,10 @@ class TailReplayConfig:
     #: which stored state is freed first when the state pool is full: "lru" (SGLang's order:
     #: least recently used) or "ends" (first a state its conversation has moved past, i.e. whose
     #: node continues in exactly one child with a state further down, least recently used first;
-    #: then least recently used), keeping conversation ends and branch points (server setting only)
+    #: then least recently used), keeping conversation ends and branch points, or
+    #: "approximate_first" (first a state that does not count as exact, least recently used
+    #: first; then least recently used), keeping the exact states stock SGLang would hold
+    #: (server setting only)
     state_order: str = "lru"
     #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
     profile: DecayProfile | None = field(default=None, compare=False, repr=False)

@@ -476,6 +476,37 @@ def test_state_order_ends_frees_a_state_its_conversation_moved_past_first(order)
     h.assert_no_leak()
 
 
+@pytest.mark.parametrize("order", ["lru", "approximate_first"])
+def test_state_order_approximate_first_keeps_the_exact_states(order):
+    """Four state slots: B's exact end state (least recently used), an approximate end state
+    (a request that replayed past a state-less match; bound UNKNOWN), and two more exact ones. A
+    new request needs a slot: SGLang's order ("lru") frees B's exact state, so B's next turn
+    replays approximately where stock SGLang would resume exactly; "approximate_first" frees the
+    approximate state and B's next turn resumes exactly."""
+    h = Harness(1, dataclasses.replace(CONFIG, state_order=order), mamba_size=4, max_reqs=2)
+    b, a = seq(20_000, 40), seq(30_000, 40)
+    h.run(b)
+    h.run(a, {"keep_checkpoints": False})                  # a's KV, no state
+    approx = h.run(a[:36] + seq(31_000, 12))               # L = 36, W = 4, no state: approximate
+    assert plan_of(approx).kind is HitKind.APPROXIMATE
+    h.run(seq(40_000, 40))
+    h.run(seq(50_000, 40))
+
+    def states() -> list[tuple[int, int, bool]]:   # (first token, depth, exact) of every state held
+        return sorted((_first_token(h, n), d, provenance_of(n) is None)
+                      for n, d in h.nodes() if n.component_data[MAMBA].value is not None)
+
+    held = [(20_000, 40, True), (30_000, 48, False), (40_000, 40, True), (50_000, 40, True)]
+    assert states() == held and h.pool.mamba_allocator.available_size() == 0
+    h.run(seq(60_000, 40))                                 # a new conversation: one state must go
+    gone = (20_000, 40, True) if order == "lru" else (30_000, 48, False)
+    assert states() == sorted([s for s in held if s != gone] + [(60_000, 40, True)])
+    req = h.admit(b + seq(21_000, 8))                      # B's next turn
+    assert plan_of(req).kind is (HitKind.APPROXIMATE if order == "lru" else HitKind.EXACT_CHECKPOINT)
+    h.finish(req)
+    h.assert_no_leak()
+
+
 # ---------------------------------------------------------------- the request record
 
 
