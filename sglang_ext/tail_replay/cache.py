@@ -234,12 +234,9 @@ class TailReplayMambaComponent(MambaComponent):
         sglang_ext/patches/sae_state_eviction.py). May mutate: the walk cursor."""
         lru = self.tree_core.lru_lists[self.component_type]
         by_session = self.tree_core.enable_session_radix_cache
-        if self.config.state_order == "ends" and not by_session:
-            victim = self._superseded_state(lru)
-            if victim is not None:
-                return victim
-        if self.config.state_order == "approximate_first" and not by_session:
-            victim = self._approximate_state(lru)
+        goes_first = self._goes_first.get(self.config.state_order)
+        if goes_first is not None and not by_session:
+            victim = self._first_unlocked_state(lru, goes_first)
             if victim is not None:
                 return victim
         if self._evict_device_cursor is not None and not lru.in_list(self._evict_device_cursor):
@@ -251,32 +248,32 @@ class TailReplayMambaComponent(MambaComponent):
         self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_prev_no_lock(victim)
         return victim
 
-    def _superseded_state(self, lru: Any) -> Any:
-        """State order "ends": the least recently used unlocked state that its conversation has
-        moved past (its node continues in exactly one child, and a state sits further down that
-        single line before any branch), or None. Conversation ends (leaves) and branch points (a
-        shared prefix, two children or more) are kept. Reads only."""
+    def _first_unlocked_state(self, lru: Any, goes_first: Callable[[Any, Any], bool]) -> Any:
+        """The least recently used unlocked state whose node `goes_first(self, node)`, or None
+        (then SGLang's order runs). Reads only."""
         node = lru.get_lru_no_lock()
         while node is not None:
             data = node.component_data[self.component_type]
-            if data.value is not None and data.lock_ref == 0 and _continues_to_a_state(node, self.component_type):
+            if data.value is not None and data.lock_ref == 0 and goes_first(self, node):
                 return node
             node = lru.get_prev_no_lock(node)
         return None
 
-    def _approximate_state(self, lru: Any) -> Any:
-        """State order "approximate_first": the least recently used unlocked state that does not
-        count as exact (its bound above `exact_threshold`), or None, so that exact states (the
-        ones stock SGLang would hold and serve exact hits from) outlive approximate ones. Reads only."""
-        node = lru.get_lru_no_lock()
-        while node is not None:
-            data = node.component_data[self.component_type]
-            prov = provenance_of(node)
-            if data.value is not None and data.lock_ref == 0 and prov is not None \
-                    and not provenance.counts_exact(prov.state, self.config.exact_threshold):
-                return node
-            node = lru.get_prev_no_lock(node)
-        return None
+    def _is_superseded(self, node: Any) -> bool:
+        """State order "ends": its conversation has moved past this state (the node continues in
+        exactly one child, and a state sits further down that single line before any branch).
+        Conversation ends (leaves) and branch points (two children or more) are kept."""
+        return _continues_to_a_state(node, self.component_type)
+
+    def _is_approximate(self, node: Any) -> bool:
+        """State order "approximate_first": the state does not count as exact (its bound above
+        `exact_threshold`), so exact states (the ones stock SGLang would hold and serve exact hits
+        from) outlive approximate ones."""
+        prov = provenance_of(node)
+        return prov is not None and not provenance.counts_exact(prov.state, self.config.exact_threshold)
+
+    #: `state_order` -> which states go first under state pressure (then least recently used)
+    _goes_first: dict[str, Callable[[Any, Any], bool]] = {"ends": _is_superseded, "approximate_first": _is_approximate}
 
     def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
                                   insert_params: Any = None) -> None:
