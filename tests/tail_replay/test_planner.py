@@ -251,6 +251,8 @@ def test_parse_non_object_json_file(tmp_path):
         ({"max_replay_tokens": 10}, "max_replay_tokens"),   # below the default min (64)
         ({"kv_mode": "approximate"}, "kv_mode"),            # bad kv_mode
         ({"kv_mode": "EXACT"}, "kv_mode"),
+        ({"exactness": "exact-first"}, "exactness"),        # a value that is not one of EXACTNESS
+        ({"state_order": "approximate"}, "state_order"),    # nor of STATE_ORDERS
     ],
 )
 def test_config_errors_name_the_key(raw, key):
@@ -309,6 +311,8 @@ def test_with_overrides_replaces_only_given_keys():
         ({"min_replay_tokens": True}, "min_replay_tokens"),
         ({"max_replay_tokens": 1}, "max_replay_tokens"),  # below the base's min (64)
         ({"kv_mode": "fast"}, "kv_mode"),
+        ({"exactness": "exact_frist"}, "exactness"),
+        ({"state_order": "approximate_first"}, "state_order"),   # a server setting, refused per request
     ],
 )
 def test_with_overrides_errors_name_the_key(overrides, key):
