@@ -42,6 +42,22 @@ CPU_DEFAULTS: dict[str, str | None] = {
 #: attention backends that can run on the CPU engine
 CPU_ATTENTION_BACKENDS = ("torch_native", "intel_amx")
 
+#: HiCache (the host tier, `--enable-hierarchical-cache` / `--enable-hicache`) on CPU: the `direct`
+#: io backend, whose copies sglang_ext/patches/cpu_hicache.py provides in torch (the `kernel` one is
+#: CUDA kernels, `kernel_ascend` NPU ones), and a host layout those copies serve. `page_first_direct`
+#: is the default because SGLang's Mamba host pool (hybrid models) takes only page-first layouts;
+#: `page_first` SGLang itself rewrites to `page_first_direct` under `direct`; `layer_first` serves
+#: attention-only models.
+HICACHE_FLAGS = ("--enable-hierarchical-cache", "--enable-hicache")
+CPU_HICACHE_DEFAULTS: dict[str, str] = {
+    "--hicache-io-backend": "direct",
+    "--hicache-mem-layout": "page_first_direct",
+}
+CPU_HICACHE_CHOICES: dict[str, tuple[str, ...]] = {
+    "--hicache-io-backend": ("direct",),
+    "--hicache-mem-layout": ("page_first_direct", "page_first", "layer_first"),
+}
+
 
 class LaunchError(ValueError):
     """A bad launcher argument; the message names it."""
@@ -144,6 +160,22 @@ def _with_cpu_defaults(argv: list[str]) -> list[str]:
     for flag, value in CPU_DEFAULTS.items():
         if not _has_flag(argv, flag):
             out += [flag] if value is None else [flag, value]
+    if any(_has_flag(argv, flag) for flag in HICACHE_FLAGS):
+        out += _cpu_hicache_args(argv)
+    return out
+
+
+def _cpu_hicache_args(argv: list[str]) -> list[str]:
+    """The HiCache flags to add on CPU (CPU_HICACHE_DEFAULTS the user did not give); a user's value
+    the CPU engine cannot run is refused by name."""
+    out = []
+    for flag, default in CPU_HICACHE_DEFAULTS.items():
+        value = _flag_value(argv, flag)
+        if value is None:
+            out += [flag, default]
+        elif value not in CPU_HICACHE_CHOICES[flag]:
+            raise LaunchError(f"{flag} {value} does not run on CPU with --enable-hierarchical-cache; "
+                              f"use one of {CPU_HICACHE_CHOICES[flag]} (default {default})")
     return out
 
 

@@ -44,6 +44,43 @@ def test_gpu_only_flags_on_cpu_are_refused_by_name(argv, needle):
         plan_launch(argv, gpu_available=False)
 
 
+def _value(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, argv
+    return argv[argv.index(flag) + 1]
+
+
+@pytest.mark.parametrize("switch", ["--enable-hierarchical-cache", "--enable-hicache"])
+def test_cpu_hicache_gets_the_direct_io_backend_and_page_first_direct_layout(switch):
+    argv = plan_launch(["--model-path", "m", switch], gpu_available=False).argv
+    assert _value(argv, "--hicache-io-backend") == "direct"
+    assert _value(argv, "--hicache-mem-layout") == "page_first_direct"
+    assert plan_launch(["--model-path", "m"], gpu_available=False).argv.count("--hicache-io-backend") == 0
+    gpu_argv = ["--model-path", "m", switch]                  # GPUs keep SGLang's own defaults
+    assert plan_launch(gpu_argv, gpu_available=True).argv == gpu_argv
+
+
+@pytest.mark.parametrize("given, layout", [(["--hicache-mem-layout", "layer_first"], "layer_first"),
+                                           (["--hicache-mem-layout=page_first"], "page_first"),
+                                           (["--hicache-io-backend", "direct"], "page_first_direct")])
+def test_cpu_hicache_keeps_what_the_user_set(given, layout):
+    argv = plan_launch(["--model-path", "m", "--enable-hierarchical-cache", *given], gpu_available=False).argv
+    assert sum(a.startswith("--hicache-mem-layout") for a in argv) == 1
+    assert sum(a.startswith("--hicache-io-backend") for a in argv) == 1
+    assert (layout in argv) or (f"--hicache-mem-layout={layout}" in argv)
+
+
+@pytest.mark.parametrize("given, needle", [
+    (["--hicache-io-backend", "kernel"], "--hicache-io-backend kernel does not run on CPU"),
+    (["--hicache-io-backend=kernel_ascend"], "--hicache-io-backend kernel_ascend does not run on CPU"),
+    (["--hicache-mem-layout", "page_head"], "--hicache-mem-layout page_head does not run on CPU"),
+    (["--hicache-mem-layout", "page_first_kv_split"], "--hicache-mem-layout page_first_kv_split"),
+])
+def test_cpu_hicache_refuses_gpu_only_transfer_settings_by_name(given, needle):
+    with pytest.raises(LaunchError, match=re.escape(needle)):
+        plan_launch(["--model-path", "m", "--enable-hicache", *given], gpu_available=False)
+    plan_launch(["--model-path", "m", *given], gpu_available=False)    # inert without HiCache
+
+
 def test_cli_reports_a_bad_flag_as_a_one_line_error():
     proc = subprocess.run([sys.executable, "-m", "sglang_ext", "serve", "--model-path", "m",
                            "--attention-backend", "flashinfer"], capture_output=True, text=True, timeout=120)

@@ -4,15 +4,17 @@ Each module in this package patches one SGLang seam and names the file it target
 (`TARGET`). `apply_patches(mode)` checks the installed SGLang version first, then applies:
 
 - mode "cpu": the CPU patch set (stand-in `sgl_kernel` CPU ops, driverless-CUDA-torch fixes,
-  torch fallbacks for Triton-only paths, O(new x context) extend attention), then the
-  extension's own seams;
+  torch fallbacks for Triton-only paths, O(new x context) extend attention, stock HiCache's host
+  tier: unpinned host pools and torch `direct` copies, `cpu_hicache`), then the extension's own
+  seams;
 - mode "gpu": only the extension's own seams and the request check (`request_token_ids`);
   SGLang's fast paths stay untouched.
 
 The extension's own seams (`EXT_PATCHES`) are Tail-Replay's, one SGLang function each; they reach
 the wing only through its public face, `sglang_ext.tail_replay` (whose docstring walks a
 request through them): `tail_replay_request` (request check on arrival), `tail_replay_sizing` and
-`tail_replay_pages` (start-up: state-pool size, pages > 1), `tail_replay_batch` (tail rows per
+`tail_replay_pages` (start-up: state-pool size, pages > 1), `tail_replay_host_pools` (start-up,
+HiCache: the whole host budget to KV, the host tier holds no states), `tail_replay_batch` (tail rows per
 forward batch, metrics), `tail_replay_attention` and `tail_replay_prefill_graph` (exact cached K/V
 for the tail), `tail_replay_gdn_bound` and `tail_replay_mamba2_bound` (each approximate replay's
 state bound from its tail's gates), `tail_replay_meta` (the per-request summaries in meta_info,
@@ -54,6 +56,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_nemotron_h_router",
     "cpu_memory_budget",
     "cpu_pin_memory",
+    "cpu_hicache",          # HiCache host tier: unpinned host pools, torch `direct` copies, RAM reserve
     "cpu_start_method",     # SGLANG_EXT_CPU_START_METHOD=fork: children forked, not spawned
     "cpu_mamba_track",
     "cpu_extra_buffer",     # after cpu_gdn / cpu_mamba2: the ops extra_buffer reads
@@ -61,7 +64,7 @@ CPU_PATCHES: tuple[str, ...] = (
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
                                 "tail_replay_gdn_bound", "tail_replay_mamba2_bound", "tail_replay_meta",
-                                "tail_replay_audit", "ipc_json", "tail_replay_request", "tail_replay_sizing", "tail_replay_pages",
+                                "tail_replay_audit", "ipc_json", "tail_replay_request", "tail_replay_sizing", "tail_replay_pages", "tail_replay_host_pools",
                                 "request_token_ids", "linearkv_request", "linearkv_prepass",
                                 "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat",
                                 "mamba_conv_dtype")

@@ -19,12 +19,12 @@ the tree's KV slots of the replayed tail, read by `sglang_ext/patches/tail_repla
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.unified_cache.cache_action import FreeDeviceKV
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
-from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, TreeComponent
+from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, PrepareLoadBackResult, PreparePrefetchResult, TreeComponent
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_exec, mamba_cache_chunk_size, mamba_checkpoint_grid
@@ -34,7 +34,7 @@ from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, reques
 from sglang_ext.tail_replay.metrics import record_stored_bound
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 from sglang_ext.tail_replay.provenance import CarryBound, NodeProvenance, PathProvenance
-from sglang_ext.tail_replay.request import TailReplayRequest, attach, bounds_of, computed_from, plan_of, record_of
+from sglang_ext.tail_replay.request import HostLoad, TailReplayRequest, attach, bounds_of, computed_from, plan_of, record_of
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
@@ -151,7 +151,7 @@ class TailReplayMambaComponent(MambaComponent):
         cd = node.component_data[self.component_type]
         old = provenance_of(node)
         if not is_new_leaf and cd.value is not None and old is not None and old.state > state_bound \
-                and cd.lock_ref == 0 and not self.tree_core.enable_hicache:
+                and cd.lock_ref == 0:
             self._free_mamba_value(cd.value)   # the tree's state was worse: take the request's
             cd.value = params.mamba_value
             self.tree_core.lru_lists[self.component_type].reset_node_mru(node)
@@ -200,6 +200,35 @@ class TailReplayMambaComponent(MambaComponent):
         _set_provenance(node, NodeProvenance(ours, prov.state))
         return 0   # the request's slots are the node's now: none of them is a duplicate
 
+    # HiCache: a KV-only host tier. States stay on the device (a replay rebuilds them from KV), so
+    # the host pools hold attention KV only, every host hit is a KV hit the planner plans over, and
+    # no host state is ever copied into a request (SGLang would copy the best match's host state,
+    # whatever depth the plan starts from).
+    def needs_incremental_backup(self, node: Any) -> bool:
+        return False
+
+    def build_hicache_transfers(self, node: Any, phase: Any, **kwargs: Any) -> None:
+        return None
+
+    def prepare_load_back(self, node_id: Any, *, req: Any = None) -> PrepareLoadBackResult:
+        return PrepareLoadBackResult()
+
+    def prepare_prefetch(self, node_id: Any, *, prefetch_tokens: int = 0) -> PreparePrefetchResult:
+        return PreparePrefetchResult()
+
+    def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions) -> None:
+        return None
+
+    def recover_after_unevict(self, node, prefix_len, total_prefix_len, params, result, cache_actions) -> None:
+        """An insert gave a host-only node the request's fresh device KV (SGLang's unevict), and
+        its host copy stays the node's too: the node's bounds become the larger of the two
+        per token. May mutate: the node's provenance."""
+        super().recover_after_unevict(node, prefix_len, total_prefix_len, params, result, cache_actions)
+        ours = bounds_of(self.cache.inserting_record(), total_prefix_len, total_prefix_len + len(node.key))
+        prov = provenance_of(node) or NodeProvenance()
+        kv = ours if prov.kv is None else torch.maximum(prov.kv, ours)
+        _set_provenance(node, NodeProvenance(kv, prov.state))
+
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
         """State pressure frees states, never attention KV.
 
@@ -209,13 +238,12 @@ class TailReplayMambaComponent(MambaComponent):
         the way SGLang already frees states on inner nodes: the state alone; the node, its KV and
         its place in the KV eviction order stay. Locked states (a running request's checkpoint,
         the one a planned exact-checkpoint hit is about to copy) are skipped by the LRU walk.
-        With HiCache, SGLang's own walk runs (its host backups are tied to whole-leaf eviction).
+        With HiCache the same holds: states have no host copies (a KV-only host tier), so freeing
+        one never costs a host backup.
 
         May mutate: this component's walk cursor, the victim's state value and LRU membership,
         `tracker`, `device_frees`.
         """
-        if self.tree_core.enable_hicache:
-            return super()._evict_device_next_node(tracker, device_frees, host_frees, cache_actions)
         if tracker[self.component_type] >= self._evict_device_request_cnt:
             return None
         victim = self._next_state_victim()
@@ -328,37 +356,96 @@ class TailReplayRadixCache(UnifiedRadixCache):
             if end == depth:
                 return node.id
             if end > depth:
-                head, _ = self.tree_core._split_node(node.key, node, len(node.key) - (end - depth))
+                head, action = self.tree_core._split_node(node.key, node, len(node.key) - (end - depth))
+                if action is not None:   # HiCache: a pending write-through follows the split
+                    self._apply_cache_actions([action])
                 return head.id
         return node_id
 
-    def _apply_replay_plan(self, req: Any, result: MatchResult) -> MatchResult:
-        record = record_for(self.tail_replay_config, req)
+    def _plan(self, record: TailReplayRequest, matched: int, last_node: Any) -> _Planned:
+        """The plan over the path's first `matched` tokens (`last_node` ends there). Reads the tree;
+        may split the node at the strict mode's cut."""
         config = record.config
-        prov = self.path_provenance(result.last_device_node)
-        matched, last_node = result.device_prefix_len, result.last_device_node
+        prov = self.path_provenance(last_node)
         if config.strict and prov.first_inexact < matched:   # read only strictly exact KV
             matched = prov.first_inexact // self.page_size * self.page_size
             last_node = self._node_at_depth(last_node, matched)
-            result = result._replace(device_prefix_len=matched, last_device_node=last_node,
-                                     last_host_node=last_node, best_match_node=last_node)
         exact_state = prov.deepest_exact_state(config.threshold, config.strict)
         approx_state = None if config.strict else prov.deepest_approximate_state(config.threshold)
         plan = plan_replay(matched, exact_state.depth if exact_state else None, self.page_size, config,
                            (approx_state.depth, approx_state.bound) if approx_state else None)
         start_state = exact_state if plan.kind is HitKind.EXACT_CHECKPOINT else approx_state
+        return _Planned(plan, start_state, prov, last_node)
+
+    def _apply_replay_plan(self, req: Any, result: MatchResult) -> MatchResult:
+        """Plan the request's hit; SGLang's match result is rewritten to the plan's prefix. With
+        HiCache, KV on the host tier is used where it makes the prefix longer: the plan then runs
+        over the device + host hit, and SGLang's load-back brings what the plan reads to the device
+        before the forward (`init_load_back`). States are never on the host (a KV-only host tier,
+        see `TailReplayMambaComponent`), so a host load never copies a state."""
+        record = record_for(self.tail_replay_config, req)
+        device_len = result.device_prefix_len
+        record.host_load = None
+        if result.host_hit_length > 0:
+            planned = self._plan(record, device_len + result.host_hit_length, result.best_match_node)
+            if planned.plan.prefix_len > device_len:
+                return self._apply_host_plan(req, record, result, planned)
+        planned = self._plan(record, device_len, result.last_device_node)
+        plan, start_state, prov, last_node = planned
+        config = record.config
         record.set_plan(plan, *_carry(plan, start_state, prov, config.kv_mode))
         record.kv_slots = self._tail_kv_slots(plan, config, last_node)
         own_tail.begin(record, plan, config.kv_mode)   # recompute: the request keeps its tail KV
         if plan.from_checkpoint:
-            ckpt_id = start_state.node_id
-            return result._replace(device_prefix_len=plan.prefix_len, last_device_node=ckpt_id,
-                                   last_host_node=ckpt_id, best_match_node=ckpt_id)
-        if plan.kind is HitKind.MISS:
-            root = self.root_node_handle(req.extra_key)
-            return result._replace(device_prefix_len=0, last_device_node=root,
-                                   last_host_node=root, best_match_node=root)
-        return result._replace(device_prefix_len=plan.prefix_len)
+            last_node = start_state.node_id
+        elif plan.kind is HitKind.MISS:
+            last_node = self.root_node_handle(req.extra_key)
+        return result._replace(device_prefix_len=plan.prefix_len, last_device_node=last_node,
+                               last_host_node=last_node, best_match_node=last_node,
+                               host_hit_length=0, mamba_host_hit_length=0)
+
+    def _apply_host_plan(self, req: Any, record: TailReplayRequest, result: MatchResult,
+                         planned: _Planned) -> MatchResult:
+        """A plan whose prefix reaches past the device hit into host-tier KV: SGLang loads the path
+        down to `load_end` (the tail too, when the plan reads the tail's KV from the tree or keeps
+        its own recomputed tail: the path stays locked below it) and adds `host_hit_length` to the
+        device prefix; the tail's KV slots are read after the load (`init_load_back`)."""
+        plan, start_state, prov, last_node = planned
+        config = record.config
+        device_len = result.device_prefix_len
+        load_end = plan.matched_tokens if plan.reuses_tail_kv else plan.prefix_len
+        target = self._node_at_depth(last_node, load_end)
+        record.set_plan(plan, *_carry(plan, start_state, prov, config.kv_mode))
+        record.kv_slots = None
+        own_tail.begin(record, plan, config.kv_mode)
+        record.host_load = HostLoad(device_len, plan.prefix_len, load_end)
+        return result._replace(last_host_node=target, best_match_node=target,
+                               host_hit_length=plan.prefix_len - device_len, mamba_host_hit_length=0)
+
+    def init_load_back(self, params: Any) -> Any:
+        """SGLang's load-back of host-tier KV at admission; for a host plan, the count it reports is
+        the plan's prefix growth (SGLang adds it to the request's prefix), and the tail's KV slots
+        are read off the loaded path. SGLang loads all of it or nothing: if nothing was loaded, the
+        request is served as a miss (exact; the tree is unchanged)."""
+        req = params.req
+        record = record_of(req) if req is not None else None
+        host = record.host_load if record is not None else None
+        if host is None:
+            return super().init_load_back(params)
+        record.host_load = None
+        loaded = super().init_load_back(params)
+        if loaded is None:
+            return None
+        count, node = loaded
+        if count == host.load_end - host.device_len:
+            record.kv_slots = self._tail_kv_slots(record.plan, record.config, node)
+            return host.prefix_len - host.device_len, node
+        miss = ReplayPlan(HitKind.MISS, record.plan.matched_tokens, 0, 0)
+        record.set_plan(miss)
+        record.kv_slots = None
+        own_tail.begin(record, miss, record.config.kv_mode)
+        req.prefix_len = 0
+        return 0, self.root_node_handle(req.extra_key)
 
     # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py); the
     # insert reads the request's record for the provenance of what it inserts
@@ -388,6 +475,13 @@ class TailReplayRadixCache(UnifiedRadixCache):
             depth -= len(node.key)
             node = node.parent
         return torch.cat(chunks[::-1])[plan.prefix_len - depth:].clone()
+
+
+class _Planned(NamedTuple):
+    plan: ReplayPlan
+    start_state: Any        # the PathState the plan resumes from (a checkpoint plan), else None or unused
+    prov: PathProvenance
+    last_node: Any          # the node id at depth plan.matched_tokens
 
 
 def _continues_to_a_state(node: Any, component_type: Any) -> bool:

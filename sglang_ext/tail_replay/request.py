@@ -31,6 +31,17 @@ if TYPE_CHECKING:
 RECORD_ATTR = "sglang_ext_tail_replay"
 
 
+@dataclass(frozen=True)
+class HostLoad:
+    """A plan that reads host-tier KV (pure numbers, tokens): the device hit ends at `device_len`;
+    the load-back brings [device_len, load_end) to the device (load_end = L when the plan reads its
+    tail's KV from the tree, else the prefix); the request's prefix is then `prefix_len`."""
+
+    device_len: int
+    prefix_len: int
+    load_end: int
+
+
 @dataclass
 class TailReplayRequest:
     """Mutable per-request state (one per request, scheduler process)."""
@@ -75,6 +86,9 @@ class TailReplayRequest:
     audit: str | None = None
     #: a repair run (tail_replay/repair.py): whether its finish went into the counters
     repair_counted: bool = False
+    #: HiCache: the plan's prefix reaches into KV held on the host tier, which SGLang's load-back
+    #: brings to the device at admission (`TailReplayRadixCache.init_load_back`); set at every match
+    host_load: HostLoad | None = None
 
     def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0) -> None:
         """A (re-)match: the new plan and provenance, with the bounds' accumulators emptied."""

@@ -15,6 +15,7 @@ the summary on TP rank 0. No SGLang import here: the adapters read duck-typed SG
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,10 @@ class ServerFacts:
     model_path: str = ""
     #: `--enable-hierarchical-cache`
     hierarchical_cache: bool = False
+    #: `--hicache-host-memory-mode` (SGLang's default "cache")
+    hicache_host_memory_mode: str = "cache"
+    #: `--hicache-storage-backend` (None: no storage tier)
+    hicache_storage_backend: str | None = None
 
 
 def kv_cache_is_quantized(kv_cache_dtype: str) -> bool:
@@ -63,12 +68,16 @@ def request_limits(config: TailReplayConfig, facts: ServerFacts) -> RequestLimit
 
 def check_start(config: TailReplayConfig, facts: ServerFacts) -> list[str]:
     """The summary line(s) for this server, or StartupError for a combination that cannot run."""
-    if facts.hierarchical_cache:
+    if facts.hierarchical_cache and facts.hicache_host_memory_mode != "cache":
         raise StartupError(
-            "--enable-hierarchical-cache cannot run with Tail-Replay's cache yet: "
-            "the replay planner plans over device hits only, while SGLang's host load-back would shift the "
-            "request's prefix and copy a host-only state into plans that do not start from it (wrong "
-            "outputs); run without --enable-hierarchical-cache")
+            f"--hicache-host-memory-mode {facts.hicache_host_memory_mode} cannot run with Tail-Replay's cache: "
+            "its staging pipeline loads host KV outside the load-back the replay planner plans (the request's "
+            "prefix would not be the plan's); use --hicache-host-memory-mode cache (the default)")
+    if facts.hierarchical_cache and facts.hicache_storage_backend:
+        raise StartupError(
+            f"--hicache-storage-backend {facts.hicache_storage_backend} cannot run with Tail-Replay's cache yet: "
+            "a storage hit's prefetch has not been checked against the replay planner (KV-only pages); use the "
+            "host tier alone (--enable-hierarchical-cache without --hicache-storage-backend)")
     if config.kv_mode == "exact" and kv_cache_is_quantized(facts.kv_cache_dtype):
         raise StartupError(
             f"--kv-cache-dtype {facts.kv_cache_dtype} (a quantized KV cache) cannot run with the "
@@ -117,7 +126,9 @@ def facts_from_server_args(server_args: Any) -> ServerFacts:
     """Facts from SGLang's ServerArgs (flags as given; main process or tokenizer)."""
     return ServerFacts(kv_cache_dtype=str(getattr(server_args, "kv_cache_dtype", None) or "auto"),
                        model_path=str(getattr(server_args, "model_path", None) or ""),
-                       hierarchical_cache=bool(getattr(server_args, "enable_hierarchical_cache", False)))
+                       hierarchical_cache=bool(getattr(server_args, "enable_hierarchical_cache", False)),
+                       hicache_host_memory_mode=str(getattr(server_args, "hicache_host_memory_mode", None) or "cache"),
+                       hicache_storage_backend=getattr(server_args, "hicache_storage_backend", None) or None)
 
 
 def check_scheduler_start(ctx: Any, config: TailReplayConfig) -> None:
@@ -126,7 +137,7 @@ def check_scheduler_start(ctx: Any, config: TailReplayConfig) -> None:
     flag = facts_from_server_args(ctx.server_args)
     runner = getattr(getattr(ctx, "tp_worker", None), "model_runner", None)
     resolved = getattr(runner, "kv_cache_dtype", None)
-    facts = (ServerFacts(kv_cache_dtype=str(resolved).removeprefix("torch."), model_path=flag.model_path)
+    facts = (dataclasses.replace(flag, kv_cache_dtype=str(resolved).removeprefix("torch."))
              if resolved is not None else flag)
     lines = check_start(config, facts)
     check_flag_names_kv_dtype(flag, facts)

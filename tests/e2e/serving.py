@@ -62,6 +62,28 @@ def metric_total(metrics_text: str, name: str, labels: str = "") -> float:
     return sum(float(v) for v in re.findall(pattern, metrics_text, re.M))
 
 
+#: SGLang's pool checks, on (strict: a leak raises in the scheduler)
+STRICT_CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1"}
+_SANITY_METRIC = re.compile(r'^sglang:scheduler_stage_seconds_total\{category="sanity_check_cache"[^}]*\} (\S+)$', re.M)
+
+
+def sanity_check_seconds(server) -> float:
+    """Seconds SGLang's idle tree-cache sanity check has run so far (grows each time it runs)."""
+    import requests
+
+    return sum(float(v) for v in _SANITY_METRIC.findall(requests.get(f"{server.url}/metrics", timeout=30).text))
+
+
+def wait_for_idle_check(server, before: float, timeout_s: float = 30.0) -> None:
+    """Until SGLang's idle pool check has run again after `before` (sanity_check_seconds)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while sanity_check_seconds(server) <= before:
+        assert time.monotonic() < deadline, f"the idle pool check did not run within {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
 class OverlapServer(ServerProcess):
     """The launcher without its CPU default `--disable-overlap-schedule`: SGLang's overlap
     scheduler (its GPU default, under which `auto` resolves to `extra_buffer`) runs on CPU; the

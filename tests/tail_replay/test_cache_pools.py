@@ -82,6 +82,7 @@ class Harness:
         req = Req(rid=f"r{self._rid}", origin_input_text="", origin_input_ids=array("q", tokens),
                   sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom))
         req.init_next_round_input(self.cache)
+        self.after_match(req)
         req.lock = self.cache.lock(req.last_node)
         assert ensure_mamba_capacity(self.pool, [req], self.cache)   # the scheduler's state reclaim
         assert self.pool.alloc([req]) is not None
@@ -95,6 +96,9 @@ class Harness:
         req.extend_end = len(tokens)
         self.running.append(req)
         return req
+
+    def after_match(self, req: Req) -> None:
+        """The scheduler's steps between match and lock (HiCache's load-back, test_cache_hicache.py)."""
 
     def decode(self, req: Req, token: int) -> None:
         slot = self.alloc.alloc(1)

@@ -82,14 +82,21 @@ def test_exact_kv_with_a_quantized_cache_is_refused_naming_both_flags():
     assert len(lines) == 1 and "kv_mode='recompute'" in lines[0] and "kv_mode='exact' (its KV cache" in lines[0]
 
 
-def test_hierarchical_cache_is_refused_naming_the_flag():
-    """Until the planner plans over host hits (issue 26), HiCache would be silently wrong: refused."""
-    with pytest.raises(StartupError, match="--enable-hierarchical-cache"):
-        check_start(BASE, ServerFacts(hierarchical_cache=True))
-    args = SimpleNamespace(kv_cache_dtype="auto", model_path="m", enable_hierarchical_cache=True)
+def test_hierarchical_cache_runs_and_its_unchecked_modes_are_refused_naming_the_flag():
+    """The host tier runs (a KV-only tier the planner plans over); the staging-buffer host mode and
+    a storage tier, not checked against the planner, are refused by name."""
+    assert check_start(BASE, ServerFacts(hierarchical_cache=True))
+    with pytest.raises(StartupError, match="--hicache-host-memory-mode buffer_only"):
+        check_start(BASE, ServerFacts(hierarchical_cache=True, hicache_host_memory_mode="buffer_only"))
+    with pytest.raises(StartupError, match="--hicache-storage-backend file"):
+        check_start(BASE, ServerFacts(hierarchical_cache=True, hicache_storage_backend="file"))
+    args = SimpleNamespace(kv_cache_dtype="auto", model_path="m", enable_hierarchical_cache=True,
+                           hicache_host_memory_mode="buffer_only", hicache_storage_backend="mooncake")
     from sglang_ext.tail_replay import facts_from_server_args
 
-    assert facts_from_server_args(args).hierarchical_cache
+    facts = facts_from_server_args(args)
+    assert facts.hierarchical_cache and facts.hicache_host_memory_mode == "buffer_only"
+    assert facts.hicache_storage_backend == "mooncake"
 
 
 def test_summary_line_names_the_config_and_refusals():

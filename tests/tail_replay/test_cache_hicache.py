@@ -1,0 +1,201 @@
+"""TailReplayRadixCache with SGLang's host tier (HiCache L2) on real SGLang pools: a KV-only host
+tier the planner plans over (issue 26).
+
+The harness of test_cache_pools.py, plus SGLang's own HiCache set-up (`init_hicache`, the CPU
+engine's `direct` io backend and `page_first_direct` layout, sglang_ext/patches/cpu_hicache.py)
+and the scheduler's admission steps for a host hit: `init_load_back` with the match's
+`best_match_node` / `host_hit_length`, the prefix growing by the count it returns, then the load
+acknowledged (`loading_check`). Written KV values are markers, so a loaded slot's contents can be
+compared with what the first request wrote.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+from sglang_ext import patches  # noqa: E402
+
+patches.apply_patches("cpu")  # before any SGLang import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InitLoadBackParams  # noqa: E402
+from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler  # noqa: E402
+from sglang.test.kits.unified_radix_cache.fixtures import drop_hicache_atexit_pin, write_backup  # noqa: E402
+
+from sglang_ext.tail_replay.cache import provenance_of  # noqa: E402
+from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
+from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
+from tests.tail_replay.test_cache_pools import CONFIG, FULL, MAMBA, Harness, seq  # noqa: E402
+
+A = seq(1000, 40)
+
+
+class HostHarness(Harness):
+    """The harness with SGLang's host tier attached (write-through on every insert)."""
+
+    def __init__(self, page_size: int, config: TailReplayConfig = CONFIG, **kwargs):
+        super().__init__(page_size, config, **kwargs)
+        server_args = ServerArgs(model_path="dummy", page_size=page_size, hicache_io_backend="direct",
+                                 hicache_mem_layout="page_first_direct", hicache_write_policy="write_through")
+        set_global_server_args_for_scheduler(server_args)
+        self.cache.init_hicache(server_args, self.cache.cache_init_params)
+        self.cache.write_through_threshold = 1 << 30   # backups only where a test asks
+        self.cache.load_back_threshold = 0
+        self.kv_pool = self.alloc.get_kvcache()
+
+    def close(self) -> None:
+        drop_hicache_atexit_pin(self.cache)
+        self.cache.release_host_resources()
+
+    def mark(self, req) -> None:
+        """Write marker K values into the request's KV slots: position p holds p + 1 in every
+        element of layer 0's K (small integers: exact in a 16-bit KV dtype)."""
+        row = self.pool.req_to_token[req.kv.req_pool_idx, : len(req.origin_input_ids)].long()
+        k = self.kv_pool.full_kv_pool.k_buffer[0]
+        for p, slot in enumerate(row.tolist()):
+            k[slot] = float(p + 1)
+
+    def k_markers(self, slots: torch.Tensor) -> list[float]:
+        return self.kv_pool.full_kv_pool.k_buffer[0][slots.long()][:, 0, 0].tolist()
+
+    def backup_all(self) -> None:
+        """Write every device node's KV through to the host tier, and acknowledge it."""
+        for node, _ in self.nodes():
+            if node.component_data[FULL].value is not None and not node.backuped:
+                assert write_backup(self.cache, node.id) > 0
+        self.cache.writing_check(write_back=True)   # blocking: submit and acknowledge every write
+
+    def demote_all(self) -> None:
+        """Device pressure: every unlocked device leaf goes to the host tier (its KV stays there)."""
+        self.cache.evict(EvictParams(num_tokens=self.kv_total))
+
+    def after_match(self, req) -> None:
+        """A host hit: `init_load_back` as the scheduler's admission calls it, the prefix grown by
+        the count it returns, then the load acknowledged."""
+        self.promised = req.host_hit_length
+        if req.host_hit_length > 0:
+            loaded, req.last_node = self.cache.init_load_back(InitLoadBackParams(
+                best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
+            req.prefix_len += loaded
+            self.cache.ready_to_load_host_cache()
+            for ack in list(self.cache.cache_controller.ack_load_queue):
+                ack.finish_event.synchronize()
+            self.cache.loading_check()
+
+
+@pytest.fixture
+def host():
+    made = []
+
+    def make(page_size: int = 1, config: TailReplayConfig = CONFIG, **kwargs) -> HostHarness:
+        h = HostHarness(page_size, config, **kwargs)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def test_states_never_reach_the_host_tier(host):
+    h = host()
+    first = h.admit(A)
+    h.mark(first)
+    h.finish(first)
+    h.backup_all()
+    for node, _ in h.nodes():
+        assert node.backuped                                   # the KV went to the host
+        assert node.component_data[MAMBA].host_value is None    # the state did not
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_host_hit_loads_the_prefix_and_the_tail_it_reads(host, page):
+    h = host(page)
+    first = h.admit(A)
+    h.mark(first)
+    h.finish(first)
+    h.backup_all()
+    h.demote_all()
+    assert all(node.component_data[FULL].value is None for node, _ in h.nodes())   # all on host
+    assert h.state_nodes() == {}                               # and no state anywhere
+
+    req = h.admit(A[:30] + seq(5000, 10))
+    matched = 30 // page * page
+    prefix = (matched - 4) // page * page                      # W = 4
+    assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, matched, prefix, prefix)
+    assert h.promised == prefix                                # SGLang adds this to the prefix
+    assert req.prefix_len == prefix
+    # the loaded prefix holds the first request's KV
+    assert h.k_markers(h.cache.prefix_device_indices(req)) == [p + 1.0 for p in range(prefix)]
+    # the replayed tail reads the tree's KV, loaded from the host too
+    slots = record_of(req).kv_slots
+    assert slots is not None and h.k_markers(slots) == [p + 1.0 for p in range(prefix, matched)]
+    assert h.depth(req.last_node) == matched
+    assert req.kv.mamba_cow_src_index is None                 # no state copied from anywhere
+
+
+def test_host_hit_that_does_not_extend_the_prefix_is_not_loaded(host):
+    """The device holds all but the last 2 tokens the host holds; the window (4) covers them: the
+    plan runs over the device hit alone and nothing is loaded."""
+    h = host()
+    first = h.admit(A)
+    h.finish(first)
+    h.backup_all()
+    second = h.run(A[:38] + seq(7000, 6))                      # splits A at 38; the 2-token leaf
+    h.backup_all()
+    tail = next(node for node, depth in h.nodes() if depth == 40)
+    h.cache._demote(tail.id, {FULL: 0, MAMBA: 0})
+    req = h.admit(A)
+    assert h.promised == 0
+    plan = plan_of(req)
+    assert plan.matched_tokens == 38 and req.prefix_len == plan.prefix_len
+    del second
+
+
+def _demote(h: HostHarness, depth: int) -> None:
+    """Device pressure on one leaf: the node ending at `depth` keeps only its host copy."""
+    node = next(node for node, d in h.nodes() if d == depth)
+    h.cache._demote(node.id, {FULL: 0, MAMBA: 0})
+
+
+def test_fresh_kv_over_a_host_only_node_keeps_the_larger_bound(host):
+    """An approximate request computes tokens whose exact KV sits only on the host; SGLang's insert
+    gives the node the request's device KV while its host copy stays: the node's bound must be
+    the request's (else a later exact read takes approximate KV for exact)."""
+    h = host()
+    h.run(A)                                                   # exact, 40 tokens
+    h.run(A[:20] + seq(7000, 8))                               # splits A at 20
+    h.backup_all()
+    _demote(h, 40)                                             # A[20:40] on the host only
+    req = h.admit(A + seq(9000, 4), {"budget": 0.6})          # W = 24 over L = 40
+    assert h.promised == 0                                     # W 12 reaches below the device hit (20)
+    plan = plan_of(req)
+    assert plan.kind is HitKind.APPROXIMATE and plan.matched_tokens == 20 and plan.prefix_len == 8
+    h.finish(req)
+    node = next(node for node, d in h.nodes() if d == 40)
+    assert node.component_data[FULL].value is not None and node.backuped   # device KV + host copy
+    prov = provenance_of(node)
+    assert prov is not None and prov.kv_max() > 0             # the request's bound, not "exact"
+    h.assert_no_leak()
+
+
+def test_a_load_back_that_loads_nothing_serves_the_request_as_a_miss(host):
+    """SGLang loads all of a host hit or nothing (here: below its load-back threshold); the plan
+    promised a longer prefix, so the request is served as a miss, exactly, and nothing leaks."""
+    h = host()
+    h.run(A)
+    h.backup_all()
+    h.demote_all()
+    h.cache.load_back_threshold = 1000
+    req = h.admit(A[:30] + seq(5000, 10))
+    assert h.promised > 0
+    assert plan_of(req) == ReplayPlan(HitKind.MISS, 30, 0, 0)
+    assert req.prefix_len == 0 and record_of(req).kv_slots is None
+    h.assert_no_leak()
+    h.finish(req)
+    h.assert_no_leak()
