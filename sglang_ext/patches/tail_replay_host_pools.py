@@ -1,4 +1,5 @@
-"""Tail-Replay's host tier holds attention KV only: its whole HiCache budget goes to KV.
+"""Tail-Replay without checkpoints: its host tier holds attention KV only, so its whole HiCache
+budget goes to KV.
 
 Targets `srt/mem_cache/hybrid_cache/hybrid_pool_assembler.py` (SGLang 0.5.23):
 `_split_hicache_size` (with `--hicache-size S`, S GB are split between the host KV pool and the
@@ -6,10 +7,11 @@ host state pool in proportion to their device pools; a hybrid model's state pool
 larger one) and `build_mamba_host_pool` (the host state pool: the split's share, or, with
 `--hicache-ratio r`, r times the device state slots).
 
-Under `--radix-cache-backend tail_replay` no state ever goes to the host (states stay on the
-device and a replay rebuilds them from KV: `TailReplayMambaComponent` in
-sglang_ext/tail_replay/cache.py backs none up and loads none back), so that pool would be host
-memory never used. Here the KV host pool gets all of S (with `--hicache-ratio`, its size is
+Under `--radix-cache-backend tail_replay` with the config `keep_checkpoints: false` the tree
+holds no state, so none goes to the host (a replay rebuilds the linear state from KV:
+`TailReplayMambaComponent` in sglang_ext/tail_replay/cache.py backs none up and loads none back),
+and that pool would be host memory never used. (With checkpoints, states go to the host as on
+stock SGLang, and SGLang's sizing stays.) Here the KV host pool gets all of S (with `--hicache-ratio`, its size is
 SGLang's: r times the device KV), and the state pool one slot (SGLang's pool group wants the
 pool to exist). Every other backend is untouched.
 """
@@ -44,11 +46,12 @@ def _is_state_pool(pool: Any) -> bool:
 
 
 def _tail_replay() -> bool:
+    """Tail-Replay, with a tree that holds no states."""
     from sglang.srt.runtime_context import get_memory
 
-    from sglang_ext.tail_replay import BACKEND_NAME
+    from sglang_ext.tail_replay import BACKEND_NAME, server_config
 
-    return get_memory().radix_cache_backend == BACKEND_NAME
+    return get_memory().radix_cache_backend == BACKEND_NAME and not server_config().keep_checkpoints
 
 
 def _wrap_split(original: Callable) -> Callable:
@@ -66,7 +69,8 @@ def _wrap_state_pool(original: Callable) -> Callable:
     @functools.wraps(original)
     def build_mamba_host_pool(mamba_pool, pool_info, *, host_size, **kwargs):
         if _tail_replay():
-            logger.info("Tail-Replay: the host tier holds attention KV only; the host state pool gets one slot")
+            logger.info("Tail-Replay without checkpoints: the host tier holds attention KV only; "
+                        "the host state pool gets one slot")
             host_size = ONE_SLOT_GB
         return original(mamba_pool, pool_info, host_size=host_size, **kwargs)
 

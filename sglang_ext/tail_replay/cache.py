@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from sglang.srt.mem_cache.unified_cache.cache_action import FreeDeviceKV
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
-from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer, PrepareLoadBackResult, PreparePrefetchResult, TreeComponent
+from sglang.srt.mem_cache.unified_cache.components.base import (
+    CacheTransferPhase,
+    EvictLayer,
+    PrepareLoadBackResult,
+    PreparePrefetchResult,
+    TreeComponent,
+)
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.runtime_context import get_exec, mamba_cache_chunk_size, mamba_checkpoint_grid
@@ -151,7 +157,7 @@ class TailReplayMambaComponent(MambaComponent):
         cd = node.component_data[self.component_type]
         old = provenance_of(node)
         if not is_new_leaf and cd.value is not None and old is not None and old.state > state_bound \
-                and cd.lock_ref == 0:
+                and cd.lock_ref == 0 and cd.host_value is None:
             self._free_mamba_value(cd.value)   # the tree's state was worse: take the request's
             cd.value = params.mamba_value
             self.tree_core.lru_lists[self.component_type].reset_node_mru(node)
@@ -160,6 +166,8 @@ class TailReplayMambaComponent(MambaComponent):
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
             if had_state:
                 return   # the tree keeps its own state (and its bound)
+            if cd.host_value is not None and old is not None:
+                state_bound = max(state_bound, old.state)   # the host copy is the node's state too
         prov = provenance_of(node) or NodeProvenance()
         _set_provenance(node, NodeProvenance(prov.kv, state_bound))
         record_stored_bound("state", state_bound)
@@ -200,24 +208,38 @@ class TailReplayMambaComponent(MambaComponent):
         _set_provenance(node, NodeProvenance(ours, prov.state))
         return 0   # the request's slots are the node's now: none of them is a duplicate
 
-    # HiCache: a KV-only host tier. States stay on the device (a replay rebuilds them from KV), so
-    # the host pools hold attention KV only, every host hit is a KV hit the planner plans over, and
-    # no host state is ever copied into a request (SGLang would copy the best match's host state,
-    # whatever depth the plan starts from).
-    def needs_incremental_backup(self, node: Any) -> bool:
-        return False
+    # HiCache. With `keep_checkpoints: false` the host tier holds attention KV only: no state is
+    # backed up, loaded back or evicted there, and every host hit is a KV hit the planner plans
+    # over. With checkpoints, states go to the host as on stock SGLang (written through with their
+    # node, evicted with the host LRU), and one is loaded back only into a plan that starts from
+    # that very checkpoint (`TailReplayRadixCache.state_load_node`): SGLang would copy the best
+    # match's host state whatever depth the plan starts from. The storage tier (L3) stays KV-only.
+    @property
+    def host_states(self) -> bool:
+        """Whether states go to the host tier (HiCache on, the server keeps checkpoints)."""
+        return bool(self.tree_core.enable_hicache) and self.config.keep_checkpoints
 
-    def build_hicache_transfers(self, node: Any, phase: Any, **kwargs: Any) -> None:
-        return None
+    def needs_incremental_backup(self, node: Any) -> bool:
+        return self.host_states and super().needs_incremental_backup(node)
+
+    def build_hicache_transfers(self, node: Any, phase: Any, **kwargs: Any) -> Any:
+        if not self.host_states or phase in (CacheTransferPhase.BACKUP_STORAGE, CacheTransferPhase.PREFETCH):
+            return None
+        if phase == CacheTransferPhase.LOAD_BACK and node.id != self.cache.state_load_node:
+            return None
+        return super().build_hicache_transfers(node, phase, **kwargs)
 
     def prepare_load_back(self, node_id: Any, *, req: Any = None) -> PrepareLoadBackResult:
-        return PrepareLoadBackResult()
+        if not self.host_states or node_id != self.cache.state_load_node:
+            return PrepareLoadBackResult()
+        return super().prepare_load_back(node_id, req=req)
 
     def prepare_prefetch(self, node_id: Any, *, prefetch_tokens: int = 0) -> PreparePrefetchResult:
         return PreparePrefetchResult()
 
     def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions) -> None:
-        return None
+        if self.host_states:
+            super().drive_host_eviction(num_tokens, tracker, device_frees, host_frees, cache_actions)
 
     def recover_after_unevict(self, node, prefix_len, total_prefix_len, params, result, cache_actions) -> None:
         """An insert gave a host-only node the request's fresh device KV (SGLang's unevict), and
@@ -238,8 +260,8 @@ class TailReplayMambaComponent(MambaComponent):
         the way SGLang already frees states on inner nodes: the state alone; the node, its KV and
         its place in the KV eviction order stay. Locked states (a running request's checkpoint,
         the one a planned exact-checkpoint hit is about to copy) are skipped by the LRU walk.
-        With HiCache the same holds: states have no host copies (a KV-only host tier), so freeing
-        one never costs a host backup.
+        With HiCache the same holds: a state with a host copy lives on there (SGLang's host LRU
+        takes it), one without is gone, as any device state SGLang frees.
 
         May mutate: this component's walk cursor, the victim's state value and LRU membership,
         `tracker`, `device_frees`.
@@ -317,6 +339,9 @@ class TailReplayMambaComponent(MambaComponent):
 
 class TailReplayRadixCache(UnifiedRadixCache):
     tail_replay_config: TailReplayConfig = TailReplayConfig()
+    #: HiCache: the node whose host state the running load-back may copy into its request (the
+    #: checkpoint its plan starts from), else None: no host state is copied
+    state_load_node: Any = None
     #: the record of the request whose `checkpoint_into_tree` is running (None: an insert without
     #: a request, whose KV counts as exact)
     _inserting: TailReplayRequest | None = None
@@ -340,10 +365,18 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return path[::-1]
 
     def path_provenance(self, node_id) -> PathProvenance:
-        """Provenance of the path from the root to `node_id` (its KV bounds and device states)."""
+        """Provenance of the path from the root to `node_id` (its KV bounds and its states: on the
+        device, and on the host where states go there)."""
+        host = self.components[ComponentType.MAMBA].host_states
         return provenance.path_provenance([
-            (len(n.key), provenance_of(n), n.component_data[ComponentType.MAMBA].value is not None, n.id)
-            for n in self._path(node_id)])
+            (len(n.key), provenance_of(n), _holds_state(n, host), n.id) for n in self._path(node_id)])
+
+    def _state_on_host(self, planned: _Planned) -> bool:
+        """Whether the plan starts from a checkpoint whose state is on the host only."""
+        if not planned.plan.from_checkpoint:
+            return False
+        node = self.tree_core.node_by_id(planned.start_state.node_id)
+        return node.component_data[ComponentType.MAMBA].value is None
 
     def _node_at_depth(self, node_id, depth: int) -> Any:
         """The id of the path's node that ends at `depth` (page-aligned), splitting the node that
@@ -391,6 +424,8 @@ class TailReplayRadixCache(UnifiedRadixCache):
             if planned.plan.prefix_len > device_len:
                 return self._apply_host_plan(req, record, result, planned)
         planned = self._plan(record, device_len, result.last_device_node)
+        if self._state_on_host(planned):
+            return self._apply_host_plan(req, record, result, planned)
         plan, start_state, prov, last_node = planned
         config = record.config
         record.set_plan(plan, *_carry(plan, start_state, prov, config.kv_mode))
@@ -406,21 +441,28 @@ class TailReplayRadixCache(UnifiedRadixCache):
 
     def _apply_host_plan(self, req: Any, record: TailReplayRequest, result: MatchResult,
                          planned: _Planned) -> MatchResult:
-        """A plan whose prefix reaches past the device hit into host-tier KV: SGLang loads the path
-        down to `load_end` (the tail too, when the plan reads the tail's KV from the tree or keeps
-        its own recomputed tail: the path stays locked below it) and adds `host_hit_length` to the
-        device prefix; the tail's KV slots are read after the load (`init_load_back`)."""
+        """A plan that reads the host tier: its prefix reaches past the device hit into host KV,
+        or it starts from a checkpoint whose state is on the host only. SGLang's load-back (at
+        admission, `init_load_back`) loads the path down to `load_end` (the tail too, when the plan
+        reads the tail's KV from the tree or keeps its own recomputed tail: the path stays locked
+        below it) and the checkpoint's state into the request's slot, and adds `host_hit_length`
+        to the device prefix; the tail's KV slots are read after the load."""
         plan, start_state, prov, last_node = planned
         config = record.config
-        device_len = result.device_prefix_len
         load_end = plan.matched_tokens if plan.reuses_tail_kv else plan.prefix_len
         target = self._node_at_depth(last_node, load_end)
+        device_len, device_node = result.device_prefix_len, result.last_device_node
+        if load_end <= device_len:   # only the state is on the host (its KV is on the device)
+            device_len, device_node = plan.prefix_len, target
+        state_node = start_state.node_id if self._state_on_host(planned) else None
         record.set_plan(plan, *_carry(plan, start_state, prov, config.kv_mode))
         record.kv_slots = None
         own_tail.begin(record, plan, config.kv_mode)
-        record.host_load = HostLoad(device_len, plan.prefix_len, load_end)
-        return result._replace(last_host_node=target, best_match_node=target,
-                               host_hit_length=plan.prefix_len - device_len, mamba_host_hit_length=0)
+        record.host_load = HostLoad(device_len, plan.prefix_len, load_end, state_node)
+        return result._replace(device_prefix_len=device_len, last_device_node=device_node,
+                               last_host_node=target, best_match_node=target,
+                               host_hit_length=plan.prefix_len - device_len,
+                               mamba_host_hit_length=1 if state_node is not None else 0)
 
     def init_load_back(self, params: Any) -> Any:
         """SGLang's load-back of host-tier KV at admission; for a host plan, the count it reports is
@@ -433,18 +475,28 @@ class TailReplayRadixCache(UnifiedRadixCache):
         if host is None:
             return super().init_load_back(params)
         record.host_load = None
-        loaded = super().init_load_back(params)
+        self.state_load_node = host.state_node
+        try:
+            loaded = super().init_load_back(params)
+        finally:
+            self.state_load_node = None
         if loaded is None:
             return None
         count, node = loaded
-        if count == host.load_end - host.device_len:
+        state_loaded = host.state_node is None or \
+            self.tree_core.node_by_id(host.state_node).component_data[ComponentType.MAMBA].value is not None
+        if count == host.load_end - host.device_len and state_loaded:
             record.kv_slots = self._tail_kv_slots(record.plan, record.config, node)
+            if host.state_node is not None:   # the request's slot holds the checkpoint's state now
+                req.kv.mamba_cow_src_index, req.kv.mamba_needs_clear = None, False
             return host.prefix_len - host.device_len, node
         miss = ReplayPlan(HitKind.MISS, record.plan.matched_tokens, 0, 0)
         record.set_plan(miss)
         record.kv_slots = None
         own_tail.begin(record, miss, record.config.kv_mode)
         req.prefix_len = 0
+        if req.kv.holds_mamba:
+            req.kv.mamba_cow_src_index, req.kv.mamba_needs_clear = None, True
         return 0, self.root_node_handle(req.extra_key)
 
     # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py); the
@@ -482,6 +534,12 @@ class _Planned(NamedTuple):
     start_state: Any        # the PathState the plan resumes from (a checkpoint plan), else None or unused
     prov: PathProvenance
     last_node: Any          # the node id at depth plan.matched_tokens
+
+
+def _holds_state(node: Any, host: bool) -> bool:
+    """Whether the node holds a state: on the device, or, where states go to the host, there."""
+    data = node.component_data[ComponentType.MAMBA]
+    return data.value is not None or (host and data.host_value is not None)
 
 
 def _continues_to_a_state(node: Any, component_type: Any) -> bool:

@@ -33,13 +33,17 @@ RECORD_ATTR = "sglang_ext_tail_replay"
 
 @dataclass(frozen=True)
 class HostLoad:
-    """A plan that reads host-tier KV (pure numbers, tokens): the device hit ends at `device_len`;
-    the load-back brings [device_len, load_end) to the device (load_end = L when the plan reads its
-    tail's KV from the tree, else the prefix); the request's prefix is then `prefix_len`."""
+    """A plan that reads the host tier (tokens): the device prefix SGLang counts ends at
+    `device_len`; the load-back brings the KV of [device_len, load_end) to the device (load_end = L
+    when the plan reads its tail's KV from the tree, else the prefix) and, if `state_node` is set,
+    that checkpoint's host state into the request's slot; the request's prefix is then
+    `prefix_len`."""
 
     device_len: int
     prefix_len: int
     load_end: int
+    #: the tree node (id) whose host state the plan starts from, or None
+    state_node: object = None
 
 
 @dataclass

@@ -2,15 +2,18 @@
 
 `--radix-cache-backend tail_replay --enable-hierarchical-cache` with a device KV pool smaller than
 the traffic (`--max-total-tokens 1024`): HiCache writes every prefix through to the host, device
-pressure demotes it there, and the planner plans over device + host KV. The host tier holds
-attention KV only (no states: `keep_checkpoints: false` here, so every hit is a replay plan), so a
-host hit is an approximate replay whose prefix and replayed tail SGLang loads back before the
-forward.
+pressure demotes it there, and the planner plans over device + host KV.
 
-The same prompt is served once from device KV and once from host KV, with the tree otherwise in
-the same state (the cache is flushed and the first prompt recomputed in between): same plan, same
-tokens, same logprobs. An `exactness: "exact"` request over host KV equals transformers' full
-prefill. SGLang's strict idle pool check runs on the way out.
+- `keep_checkpoints: false` (a KV-only host tier: every hit is a replay plan, and the host state
+  pool is one slot): the same prompt is served once from device KV and once from host KV, with the
+  tree otherwise in the same state (the cache is flushed and the first prompt recomputed in
+  between): same plan, same tokens, same logprobs. An `exactness: "exact"` request over host KV
+  equals transformers' full prefill.
+- The default config (states go to the host with their node, as on stock SGLang): a conversation's
+  next turn, after its first turn was pushed to the host, resumes exactly from the host copy of the
+  first turn's end state and equals transformers' full prefill.
+
+SGLang's strict idle pool check runs on the way out of each.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ from eval.reference import greedy_reference, load_reference_model
 from tests.e2e.serving import LOGPROB_ATOL, STRICT_CHECK_ENV, assert_matches_reference, greedy, random_prompt, sanity_check_seconds, wait_for_idle_check
 
 PROMPT, PUSH, PUSHES, NEW = 300, 400, 3, 6
-CONFIG = {"keep_checkpoints": False}
-ARGS = ["--dtype", "float32", "--radix-cache-backend", "tail_replay", "--tail-replay-config", json.dumps(CONFIG),
-        "--enable-hierarchical-cache", "--max-total-tokens", "1024", "--max-mamba-cache-size", "8"]
+ARGS = ["--dtype", "float32", "--radix-cache-backend", "tail_replay", "--enable-hierarchical-cache",
+        "--max-total-tokens", "1024", "--max-mamba-cache-size", "8"]
+KV_ONLY = ["--tail-replay-config", json.dumps({"keep_checkpoints": False})]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,15 @@ def model_dir(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("tr_hicache_logs") / "tail_replay_hicache_server.log"
+    """keep_checkpoints false: a KV-only host tier."""
+    log = tmp_path_factory.mktemp("tr_hicache_logs") / "tail_replay_hicache_kv_only.log"
+    with ServerProcess(str(model_dir), ARGS + KV_ONLY, log_path=log, env=STRICT_CHECK_ENV) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def server_with_states(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("tr_hicache_logs") / "tail_replay_hicache_states.log"
     with ServerProcess(str(model_dir), ARGS, log_path=log, env=STRICT_CHECK_ENV) as srv:
         yield srv
 
@@ -101,5 +112,23 @@ def test_host_state_pool_is_one_slot_and_the_idle_pool_check_runs_clean(server):
     greedy(server, random_prompt(40, seed=7), NEW)
     wait_for_idle_check(server, before)
     assert server.proc.poll() is None
+    log = server.log_text()
+    assert "memory leak" not in log and "Traceback" not in log
+
+
+def test_next_turn_resumes_exactly_from_the_host_copy_of_its_state(server_with_states, model_dir):
+    server = server_with_states
+    first_ids = random_prompt(PROMPT, seed=21)
+    first = greedy(server, first_ids, NEW)
+    push_out(server)
+    ids = first_ids + first["output_ids"] + random_prompt(8, seed=22)
+    result = greedy(server, ids, NEW)
+    summary = details(result)["tail_replay"]
+    assert summary["kind"] == "exact_checkpoint" and summary["exact"] is True
+    assert details(result)["host"] > 0                        # its prefix came from the host
+    assert_matches_reference(result, greedy_reference(load_reference_model(model_dir), ids, NEW), atol=LOGPROB_ATOL)
+    before = sanity_check_seconds(server)
+    greedy(server, random_prompt(40, seed=23), NEW)
+    wait_for_idle_check(server, before)
     log = server.log_text()
     assert "memory leak" not in log and "Traceback" not in log

@@ -11,6 +11,7 @@ compared with what the first request wrote.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -77,10 +78,12 @@ class HostHarness(Harness):
         """A host hit: `init_load_back` as the scheduler's admission calls it, the prefix grown by
         the count it returns, then the load acknowledged."""
         self.promised = req.host_hit_length
-        if req.host_hit_length > 0:
+        if req.host_hit_length > 0 or req.mamba_host_hit_length > 0:   # Req.needs_host_load_back
             loaded, req.last_node = self.cache.init_load_back(InitLoadBackParams(
                 best_match_node=req.best_match_node, host_hit_length=req.host_hit_length, req=req))
             req.prefix_len += loaded
+            if self.cache.load_back_is_cache_owned():   # as the scheduler: the loaded KV is the tree's
+                req.kv.cache_protected_len = req.prefix_len
             self.cache.ready_to_load_host_cache()
             for ack in list(self.cache.cache_controller.ack_load_queue):
                 ack.finish_event.synchronize()
@@ -101,8 +104,11 @@ def host():
         h.close()
 
 
-def test_states_never_reach_the_host_tier(host):
-    h = host()
+KV_ONLY = dataclasses.replace(CONFIG, keep_checkpoints=False)
+
+
+def test_without_checkpoints_the_host_tier_holds_kv_only(host):
+    h = host(config=KV_ONLY)
     first = h.admit(A)
     h.mark(first)
     h.finish(first)
@@ -137,6 +143,8 @@ def test_host_hit_loads_the_prefix_and_the_tail_it_reads(host, page):
     assert slots is not None and h.k_markers(slots) == [p + 1.0 for p in range(prefix, matched)]
     assert h.depth(req.last_node) == matched
     assert req.kv.mamba_cow_src_index is None                 # no state copied from anywhere
+    h.finish(req)
+    h.assert_no_leak()
 
 
 def test_host_hit_that_does_not_extend_the_prefix_is_not_loaded(host):
@@ -167,7 +175,7 @@ def test_fresh_kv_over_a_host_only_node_keeps_the_larger_bound(host):
     """An approximate request computes tokens whose exact KV sits only on the host; SGLang's insert
     gives the node the request's device KV while its host copy stays: the node's bound must be
     the request's (else a later exact read takes approximate KV for exact)."""
-    h = host()
+    h = host(config=KV_ONLY)
     h.run(A)                                                   # exact, 40 tokens
     h.run(A[:20] + seq(7000, 8))                               # splits A at 20
     h.backup_all()
@@ -199,3 +207,86 @@ def test_a_load_back_that_loads_nothing_serves_the_request_as_a_miss(host):
     h.assert_no_leak()
     h.finish(req)
     h.assert_no_leak()
+
+
+def _set_state(h: HostHarness, slot: int, marker: float) -> None:
+    cache = h.pool.mamba_pool.mamba_cache
+    cache.temporal[:, slot] = marker
+    for conv in cache.conv:
+        conv[:, slot] = marker
+
+
+def _state_marker(h: HostHarness, slot) -> float:
+    return float(h.pool.mamba_pool.mamba_cache.temporal[:, int(slot)].flatten()[0])
+
+
+def test_with_checkpoints_a_host_state_resumes_its_conversation_exactly(host):
+    """States go to the host with their node (stock SGLang's host tier); a request whose plan starts
+    from a checkpoint that is on the host only gets that state copied into its slot, and resumes
+    exactly from it (no replay)."""
+    h = host()
+    first = h.admit(A)
+    h.mark(first)
+    h.finish(first)
+    assert h.state_nodes() == {40: 1}
+    _set_state(h, 1, 7.0)
+    h.backup_all()
+    node = next(node for node, d in h.nodes() if d == 40)
+    assert node.component_data[MAMBA].host_value is not None      # the state went to the host
+    h.demote_all()
+    assert h.state_nodes() == {}                                   # ... and lives only there
+
+    req = h.admit(A + seq(9000, 4))
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert h.promised == 40 and req.prefix_len == 40
+    assert h.k_markers(h.cache.prefix_device_indices(req)) == [p + 1.0 for p in range(40)]
+    assert _state_marker(h, req.kv.mamba_pool_idx) == 7.0        # the checkpoint's state, loaded
+    assert not req.kv.mamba_needs_clear and req.kv.mamba_cow_src_index is None
+    h.finish(req)
+    h.assert_no_leak()
+
+
+def test_state_only_on_the_host_under_device_kv_is_loaded_without_kv(host):
+    """Device state pressure freed the state but not its KV (Tail-Replay frees states alone); its host
+    copy still serves an exact resume: SGLang's load-back copies the state, no KV moves."""
+    h = host()
+    first = h.run(A)
+    _set_state(h, 1, 5.0)
+    h.backup_all()
+    node = next(node for node, d in h.nodes() if d == 40)
+    component = h.cache.components[MAMBA]
+    tracker = {FULL: 0, MAMBA: 0}
+    frees = {FULL: [], MAMBA: []}
+    h.cache.tree_core._evict_component_and_detach_lru(node, component, frees, {FULL: [], MAMBA: []}, [],
+                                                      tracker=tracker)
+    for value in frees[MAMBA]:
+        h.pool.mamba_allocator.free(value)
+    assert node.component_data[FULL].value is not None and node.component_data[MAMBA].value is None
+    req = h.admit(A + seq(9000, 4))
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
+    assert h.promised == 0 and req.prefix_len == 40
+    assert _state_marker(h, req.kv.mamba_pool_idx) == 5.0
+    h.finish(req)
+    h.assert_no_leak()
+    del first
+
+
+def test_a_host_state_is_copied_only_into_a_plan_that_starts_from_it(host):
+    """SGLang's load-back copies the anchor node's host state into the request; Tail-Replay allows it
+    only for the checkpoint the request's plan starts from."""
+    h = host()
+    h.run(A)
+    h.backup_all()
+    h.demote_all()
+    node = next(node for node, d in h.nodes() if d == 40)
+    component = h.cache.components[MAMBA]
+    slot = torch.tensor([3])
+    from sglang.srt.mem_cache.unified_cache.components.base import CacheTransferPhase
+
+    assert h.cache.state_load_node is None
+    assert component.build_hicache_transfers(node, CacheTransferPhase.LOAD_BACK, mamba_pool_idx=slot) is None
+    h.cache.state_load_node = node.id
+    try:
+        assert component.build_hicache_transfers(node, CacheTransferPhase.LOAD_BACK, mamba_pool_idx=slot)
+    finally:
+        h.cache.state_load_node = None
