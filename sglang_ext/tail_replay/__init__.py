@@ -48,6 +48,14 @@ A request's route (SGLang 0.5.23), seam by seam:
    (`bounds_of`), `redistribute_on_node_split` splits them, `update_component_on_insert_overlap`
    lets fresher KV replace an approximate node's; with `kv_mode` "recompute" `own_tail` keeps the
    request's recomputed tail KV its own (record `own_end`, `own_kv`) until `on_release` frees it.
+   HiCache (`--enable-hierarchical-cache`): the planner plans over device + host KV
+   (`_apply_host_plan`, record `host_load`) where the host makes the prefix longer or holds the
+   state a checkpoint plan starts from; `init_load_back` turns SGLang's load-back count into the
+   plan's prefix and reads the tail's KV slots after the load. States go to the host only with
+   checkpoints, and a host state is copied only into a plan that starts from it
+   (`state_load_node`); `recover_after_unevict` keeps a host node's bounds when an insert gives it
+   fresh device KV. `sglang_ext/patches/tail_replay_host_pools.py` gives the host budget to KV
+   without checkpoints.
 6. audit (off unless `audit_rate` > 0 or a request's `audit: true`). `sglang_ext/patches/tail_replay_audit.py`:
    in the scheduler (`capture_pre_sample_logits`, the forward's raw logits) the first output of an
    audited request (`audit_trigger`) is kept (`PendingAudits`, record `audit`, meta_info `audit`);
