@@ -412,10 +412,9 @@ class TailReplayRadixCache(UnifiedRadixCache):
 
     def _apply_replay_plan(self, req: Any, result: MatchResult) -> MatchResult:
         """Plan the request's hit; SGLang's match result is rewritten to the plan's prefix. With
-        HiCache, KV on the host tier is used where it makes the prefix longer: the plan then runs
-        over the device + host hit, and SGLang's load-back brings what the plan reads to the device
-        before the forward (`init_load_back`). States are never on the host (a KV-only host tier,
-        see `TailReplayMambaComponent`), so a host load never copies a state."""
+        HiCache, the host tier is used where it makes the prefix longer (the plan then runs over
+        the device + host KV hit) or holds the state a checkpoint plan starts from; SGLang's
+        load-back brings what the plan reads to the device before the forward (`init_load_back`)."""
         record = record_for(self.tail_replay_config, req)
         device_len = result.device_prefix_len
         record.host_load = None
@@ -452,8 +451,12 @@ class TailReplayRadixCache(UnifiedRadixCache):
         load_end = plan.matched_tokens if plan.reuses_tail_kv else plan.prefix_len
         target = self._node_at_depth(last_node, load_end)
         device_len, device_node = result.device_prefix_len, result.last_device_node
-        if load_end <= device_len:   # only the state is on the host (its KV is on the device)
-            device_len, device_node = plan.prefix_len, target
+        if load_end <= device_len:
+            # only the state is on the host (its KV is on the device): SGLang counts the checkpoint
+            # node's own KV as loaded, so that a load-back that loads nothing is seen (the count
+            # falls short of the promise) and the request is admitted again as a miss
+            checkpoint = self.tree_core.node_by_id(target)
+            device_len, device_node = plan.prefix_len - len(checkpoint.key), checkpoint.parent.id
         state_node = start_state.node_id if self._state_on_host(planned) else None
         record.set_plan(plan, *_carry(plan, start_state, prov, config.kv_mode))
         record.kv_slots = None
@@ -467,7 +470,8 @@ class TailReplayRadixCache(UnifiedRadixCache):
     def init_load_back(self, params: Any) -> Any:
         """SGLang's load-back of host-tier KV at admission; for a host plan, the count it reports is
         the plan's prefix growth (SGLang adds it to the request's prefix), and the tail's KV slots
-        are read off the loaded path. SGLang loads all of it or nothing: if nothing was loaded, the
+        are read off the loaded path. SGLang loads all of it or nothing: if nothing was loaded (the
+        count falls short of the promise, so SGLang admits the request again from its prefix), the
         request is served as a miss (exact; the tree is unchanged)."""
         req = params.req
         record = record_of(req) if req is not None else None

@@ -264,11 +264,34 @@ def test_state_only_on_the_host_under_device_kv_is_loaded_without_kv(host):
     assert node.component_data[FULL].value is not None and node.component_data[MAMBA].value is None
     req = h.admit(A + seq(9000, 4))
     assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
-    assert h.promised == 0 and req.prefix_len == 40
+    # SGLang counts the checkpoint node's resident KV as the load (so a failed load is seen)
+    assert h.promised == 40 and req.prefix_len == 40
     assert _state_marker(h, req.kv.mamba_pool_idx) == 5.0
     h.finish(req)
     h.assert_no_leak()
     del first
+
+
+def test_a_state_load_that_fails_is_seen_and_served_as_a_miss(host, monkeypatch):
+    """The state's KV is on the device, its state on the host only; the controller's load fails:
+    the count SGLang sees falls short of the promise (so its admission runs again from the new
+    prefix), the request is a miss, and nothing leaks."""
+    h = host()
+    h.run(A)
+    h.backup_all()
+    node = next(node for node, d in h.nodes() if d == 40)
+    frees = {FULL: [], MAMBA: []}
+    h.cache.tree_core._evict_component_and_detach_lru(node, h.cache.components[MAMBA], frees,
+                                                      {FULL: [], MAMBA: []}, [], tracker={FULL: 0, MAMBA: 0})
+    for value in frees[MAMBA]:
+        h.pool.mamba_allocator.free(value)
+    monkeypatch.setattr(h.cache.cache_controller, "load", lambda *args, **kwargs: None)
+    req = h.admit(A + seq(9000, 4))
+    assert h.promised > 0 and req.prefix_len == 0
+    assert plan_of(req).kind is HitKind.MISS
+    h.assert_no_leak()
+    h.finish(req)
+    h.assert_no_leak()
 
 
 def test_a_host_state_is_copied_only_into_a_plan_that_starts_from_it(host):
