@@ -147,7 +147,15 @@ def stream_generate(url: str, input_ids: list[int], new_tokens: int, timeout_s: 
     return Response(True, ttft, latency, last.get("meta_info") or {}, tuple(last.get("output_ids") or ()))
 
 
-def flush_cache(url: str) -> None:
-    resp = requests.post(f"{url}/flush_cache", timeout=120)
-    if resp.status_code != 200:
-        raise RuntimeError(f"{url}/flush_cache refused ({resp.status_code}): {resp.text[:200]}")
+def flush_cache(url: str, wait_s: float = 30.0) -> None:
+    """Empty the server's cache. SGLang refuses a flush while a request is still in its
+    queues, which a just-finished stream can be for a scheduler step: retry until ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        resp = requests.post(f"{url}/flush_cache", timeout=120)
+        if resp.status_code == 200:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{url}/flush_cache refused ({resp.status_code}) for {wait_s:g} s: "
+                               f"{resp.text[:200]}")
+        time.sleep(0.2)

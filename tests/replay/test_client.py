@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from eval.replay.cli import replay_requests
-from eval.replay.servers import stream_generate
+from eval.replay.servers import flush_cache, stream_generate
 from eval.replay.tokens import ScaledRequest
 
 
@@ -23,7 +23,17 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
+    flush_refusals = 0
+    flushes = 0
+
     def do_POST(self):
+        if self.path == "/flush_cache":     # SGLang refuses while a request is still queued
+            _Handler.flushes += 1
+            ok = _Handler.flushes > _Handler.flush_refusals
+            self.send_response(200 if ok else 400)
+            self.end_headers()
+            self.wfile.write(b"Cache flushed." if ok else b"Flush cache failed.")
+            return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ids = body["input_ids"]
         if ids[0] == 0:
@@ -54,7 +64,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def fake_server():
-    _Handler.in_flight = _Handler.max_in_flight = 0
+    _Handler.in_flight = _Handler.max_in_flight = _Handler.flushes = _Handler.flush_refusals = 0
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -83,3 +93,13 @@ def test_concurrency_limit_and_record_order(fake_server):
     assert records[4]["cached_tokens"] == 0 and records[4]["ttft_s"] is None
     assert records[8]["prompt_tokens"] == 10 and records[8]["cached_tokens"] == 5
     assert wall < 9 * 0.1   # overlapped, not one at a time
+
+
+def test_flush_cache_retries_while_the_server_refuses_then_names_the_refusal(fake_server):
+    _Handler.flush_refusals = 2
+    flush_cache(fake_server)
+    assert _Handler.flushes == 3
+    _Handler.flushes, _Handler.flush_refusals = 0, 10**6
+    with pytest.raises(RuntimeError, match=r"flush_cache refused \(400\) for 0.5 s: Flush cache failed"):
+        flush_cache(fake_server, wait_s=0.5)
+    assert _Handler.flushes >= 2
