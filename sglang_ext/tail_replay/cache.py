@@ -350,9 +350,29 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return self._inserting
 
     def _finalize_match_result(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
-        if params.req is not None:
+        if params.req is not None and not self._is_storage_probe(params):
             result = self._apply_replay_plan(params.req, result)
         return super()._finalize_match_result(params, result)
+
+    def _is_storage_probe(self, params: MatchPrefixParams) -> bool:
+        """SGLang's storage (L3) prefetch matches the request without a state copy
+        (`Scheduler._prefetch_kvcache`: cow_mamba False) to learn where the tree's KV ends on
+        device + host: it fetches the pages after that and inserts them under the matched node.
+        That match must be the tree's own, not a plan's prefix: a plan's prefix ends up to W tokens
+        short of the node it returns, so the fetch would look its pages up under keys chained from
+        the wrong depth and find nothing (and graft anything found at the wrong depth). The
+        request's record is left alone: its plan is made by the admission's match."""
+        return self.enable_storage and not params.cow_mamba
+
+    def write_backup_storage(self, node_id: Any) -> None:
+        """The storage tier (L3) gets strictly exact KV only. Its pages carry no provenance, so the
+        server that prefetches them (this one after a restart, or another one) reads them as exact
+        computations. A node whose path holds KV of bound > 0 stays on the device and host tiers
+        (so do its descendants: a storage hit is a contiguous prefix from the root)."""
+        prov = self.path_provenance(node_id)
+        if prov.first_inexact < prov.matched:
+            return
+        super().write_backup_storage(node_id)
 
     def _path(self, node_id) -> list[Any]:
         """The matched path's nodes, root first (root excluded)."""

@@ -73,11 +73,6 @@ def check_start(config: TailReplayConfig, facts: ServerFacts) -> list[str]:
             f"--hicache-host-memory-mode {facts.hicache_host_memory_mode} cannot run with Tail-Replay's cache: "
             "its staging pipeline loads host KV outside the load-back the replay planner plans (the request's "
             "prefix would not be the plan's); use --hicache-host-memory-mode cache (the default)")
-    if facts.hierarchical_cache and facts.hicache_storage_backend:
-        raise StartupError(
-            f"--hicache-storage-backend {facts.hicache_storage_backend} cannot run with Tail-Replay's cache yet: "
-            "a storage hit's prefetch has not been checked against the replay planner (KV-only pages); use the "
-            "host tier alone (--enable-hierarchical-cache without --hicache-storage-backend)")
     if config.kv_mode == "exact" and kv_cache_is_quantized(facts.kv_cache_dtype):
         raise StartupError(
             f"--kv-cache-dtype {facts.kv_cache_dtype} (a quantized KV cache) cannot run with the "
@@ -116,8 +111,10 @@ def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
     reasons = [f"keep_checkpoints=true ({limits.checkpoints_refused})" if limits.checkpoints_refused else None,
                f"kv_mode='exact' ({limits.exact_kv_refused})" if limits.exact_kv_refused else None]
     refused = [r for r in reasons if r] or ["none"]
+    storage = (f"; storage tier {facts.hicache_storage_backend}: the attention KV of strictly exact nodes "
+               "only (no states)" if facts.hierarchical_cache and facts.hicache_storage_backend else "")
     return (f"Tail-Replay config in force: {settings}; kv cache dtype {facts.kv_cache_dtype}; "
-            f"per-request overrides refused: {'; '.join(refused)}")
+            f"per-request overrides refused: {'; '.join(refused)}{storage}")
 
 
 # ------------------------------------------------------------------ adapters (duck-typed)

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from sglang_ext.cluster import ROUTER_POLICIES, parse_cluster_args
+from sglang_ext.cluster import ROUTER_POLICIES, STORAGE_BACKENDS, parse_cluster_args
 from sglang_ext.launcher import LaunchError
 
 WORKER = ["--model-path", "/m", "--radix-cache-backend", "tail_replay"]
@@ -42,7 +43,47 @@ def test_defaults_pick_free_distinct_ports():
     assert len(set(ports)) == 5 and all(p > 0 for p in ports)
 
 
+def test_file_storage_gives_every_worker_the_host_tier_and_one_directory():
+    spec = parse_cluster_args(["--workers", "2", "--port", "0", "--storage", "file", "--log-dir", "/tmp/c", "--", *WORKER])
+    assert spec.worker_command(1)[-3:] == ["--enable-hierarchical-cache", "--hicache-storage-backend", "file"]
+    assert spec.worker_env() == {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/tmp/c/storage"}
+    assert spec.store_commands() == []
+    given = parse_cluster_args(["--port", "0", "--storage", "file", "--storage-dir", "/data/kv", "--",
+                                *WORKER, "--enable-hierarchical-cache", "--hicache-ratio", "4"])
+    assert given.worker_command(0).count("--enable-hierarchical-cache") == 1
+    assert given.worker_env() == {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/data/kv"}
+    plain = parse_cluster_args(["--port", "0", "--", *WORKER])
+    assert plain.storage == "none" and "--hicache-storage-backend" not in plain.worker_command(0)
+    assert plain.worker_env() == {} and STORAGE_BACKENDS == ("none", "file", "mooncake")
+
+
+def test_mooncake_storage_starts_its_master_and_memory_and_points_every_worker_at_it():
+    spec = parse_cluster_args(["--workers", "2", "--port", "0", "--storage", "mooncake", "--storage-segment-mb", "64",
+                               "--", *WORKER])
+    rpc, metrics, client = spec.mooncake_ports
+    assert len({rpc, metrics, client, spec.port, spec.metrics_port, *spec.worker_ports}) == 7
+    master, store = spec.store_commands()
+    assert Path(master[0]).name == "mooncake_master" and master[1:] == ["-rpc_port", str(rpc), "-metrics_port", str(metrics)]
+    assert Path(store[0]).name == "mooncake_client" and store[1:] == [
+        "-master_server_address", f"127.0.0.1:{rpc}", "-metadata_server", "P2PHANDSHAKE", "-protocol", "tcp",
+        "-global_segment_size", "64 MB", "-host", "127.0.0.1", "-port", str(client)]
+    command = spec.worker_command(0)
+    at = command.index("--hicache-storage-backend")
+    assert command[at - 1:at + 2] == ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
+    config = json.loads(command[command.index("--hicache-storage-backend-extra-config") + 1])
+    assert config == {"master_server_address": f"127.0.0.1:{rpc}", "master_metrics_port": metrics,
+                      "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": "",
+                      "global_segment_size": 0}   # the workers lend none: the store outlives them
+    assert spec.worker_env() == {}
+
+
 @pytest.mark.parametrize("argv, names", [
+    (["--storage", "s3", "--", *WORKER], "--storage 's3'"),
+    (["--storage", "mooncake", "--storage-segment-mb", "0", "--", *WORKER], "--storage-segment-mb 0"),
+    (["--storage-dir", "/x", "--", *WORKER], "--storage-dir is for --storage file"),
+    (["--storage", "file", "--", *WORKER, "--hicache-storage-backend", "nixl"], "--hicache-storage-backend is set"),
+    (["--storage", "mooncake", "--", *WORKER, "--hicache-storage-backend-extra-config={}"],
+     "--hicache-storage-backend-extra-config is set"),
     (["--workers", "2", *WORKER], "'--'"),
     (["--workers", "0", "--", *WORKER], "--workers 0"),
     (["--policy", "sticky", "--", *WORKER], "--policy 'sticky'"),

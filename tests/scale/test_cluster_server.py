@@ -1,10 +1,14 @@
 """`sglang-ext cluster` end to end: SGLang's router (smg, cache-aware) in front of two patched
-Tail-Replay workers, started by the one command a user runs.
+Tail-Replay workers sharing a Mooncake store (`--storage mooncake`: the cluster starts its master
+and a client holding its memory),
+started by the one command a user runs.
 
 - A conversation's later turns land on the worker that holds its prefix: every turn reuses at
   least the whole previous prompt (`meta_info.cached_tokens`), and both workers take traffic.
+- A prefix one worker computed is served to the other from the store.
 - A worker whose port is taken when it starts is started again on a fresh port.
-- SIGTERM to the command stops the router and every worker (their ports close) and it exits 0.
+- SIGTERM to the command stops the router, every worker and the store (their ports close) and it
+  exits 0.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import requests
 from sglang_ext.cluster import free_port
 
 CONVERSATIONS, TURNS, FIRST, STEP, NEW = 4, 3, 200, 60, 4
-READY = re.compile(r"router (http://\S+) \(policy (\S+)\) -> workers (.+); logs in")
+READY = re.compile(r"router (http://\S+) \(policy (\S+)\) -> workers (.+); logs in .*; storage: Mooncake store, "
+                   r"master 127.0.0.1:(\d+) \(metrics port (\d+)\)")
 PROMPT_TOKENS = re.compile(r"^sglang:prompt_tokens_total\{[^}]*\} (\S+)$", re.M)
 
 
@@ -46,7 +51,8 @@ def cluster(tiny_model_factory, tmp_path_factory):
     router_port, metrics_port, w0, w1 = (free_port() for _ in range(4))
     command = [sys.executable, "-m", "sglang_ext", "cluster", "--workers", "2", "--policy", "cache_aware",
                "--port", str(router_port), "--metrics-port", str(metrics_port), "--worker-ports", f"{w0},{w1}",
-               "--log-dir", str(logs), "--", "--model-path", str(tiny_model_factory("qwen3-next")),
+               "--log-dir", str(logs), "--storage", "mooncake", "--storage-segment-mb", "64",
+               "--", "--model-path", str(tiny_model_factory("qwen3-next")),
                "--radix-cache-backend", "tail_replay", "--dtype", "float32"]
     out = open(logs / "command.log", "w+")
     squatter = socket.socket()   # holds worker 1's port: the cluster must start it on a fresh one
@@ -64,8 +70,10 @@ def cluster(tiny_model_factory, tmp_path_factory):
         squatter.close()
         workers = match.group(3).split(", ")
         ports += [int(url.rsplit(":", 1)[1]) for url in workers]
+        master = (int(match.group(4)), int(match.group(5)))
+        ports += list(master)
         yield {"proc": proc, "url": match.group(1), "policy": match.group(2), "workers": workers,
-               "requested": [f"http://127.0.0.1:{w0}", f"http://127.0.0.1:{w1}"], "logs": logs}
+               "requested": [f"http://127.0.0.1:{w0}", f"http://127.0.0.1:{w1}"], "logs": logs, "master": master}
     finally:
         squatter.close()
         if proc.poll() is None:
@@ -111,11 +119,32 @@ def test_conversations_follow_their_prefix(cluster):
     assert all(s > 0 for s in served), served
 
 
-def test_sigterm_stops_router_and_workers(cluster):
+def _stored_objects(metrics_port: int) -> int:
+    text = requests.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).text
+    return int(float(re.search(r"^master_key_count (\S+)$", text, re.M).group(1)))
+
+
+def test_a_prefix_one_worker_computed_is_served_to_the_other_from_the_store(cluster):
+    first, second = cluster["workers"]
+    rng = random.Random(5)
+    ids = [rng.randrange(10, 500) for _ in range(400)]
+    before = _stored_objects(cluster["master"][1])
+    _generate(first, ids)
+    deadline = time.monotonic() + 60
+    while _stored_objects(cluster["master"][1]) < before + len(ids):   # at least one object per page
+        assert time.monotonic() < deadline, "the first worker's prefix did not reach the store in 60 s"
+        time.sleep(0.5)
+    time.sleep(1.0)
+    out = _generate(second, ids + [rng.randrange(10, 500) for _ in range(8)])
+    assert out["meta_info"]["cached_tokens_details"]["storage"] > 0, out["meta_info"]
+    assert out["meta_info"]["cached_tokens_details"]["tail_replay"]["matched_tokens"] >= len(ids)
+
+
+def test_sigterm_stops_router_workers_and_the_store(cluster):
     proc = cluster["proc"]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=90) == 0
-    for url in [cluster["url"], *cluster["workers"]]:
+    for url in [cluster["url"], *cluster["workers"], f"http://127.0.0.1:{cluster['master'][1]}"]:
         with pytest.raises(requests.ConnectionError):
             requests.get(f"{url}/health", timeout=5)
 

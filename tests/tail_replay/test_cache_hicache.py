@@ -313,3 +313,41 @@ def test_a_host_state_is_copied_only_into_a_plan_that_starts_from_it(host):
         assert component.build_hicache_transfers(node, CacheTransferPhase.LOAD_BACK, mamba_pool_idx=slot)
     finally:
         h.cache.state_load_node = None
+
+
+# ---- the storage tier (L3): SGLang's prefetch probe and its backups
+
+def test_the_storage_probe_sees_the_tree_match_and_makes_no_plan(host):
+    """With a storage tier, SGLang's prefetch matches the request without a state copy to learn
+    where the tree's KV ends (it fetches the pages after that, and grafts them under the node it
+    matched): that match is the tree's own, as deep as the KV, and plans nothing. The admission's
+    match then plans as before."""
+    h = host(config=KV_ONLY)
+    h.cache.enable_storage = True
+    h.run(A)
+    req = h.request(A + seq(5000, 10))
+    req.init_next_round_input(h.cache, cow_mamba=False)        # Scheduler._prefetch_kvcache
+    assert req.prefix_len + req.host_hit_length == 40
+    assert sum(len(n.key) for n in h.cache._path(req.last_host_node)) == 40   # the node it ends at
+    assert record_of(req) is None or plan_of(req) is None      # no plan yet
+    req.init_next_round_input(h.cache)                         # the admission's match
+    assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, 40, 36, 36)
+    assert req.prefix_len == 36
+
+
+def test_only_strictly_exact_kv_is_backed_up_to_storage(host, monkeypatch):
+    """Stored pages carry no provenance (whoever prefetches them reads them as exact), so a node
+    goes to storage only when its path from the root is strictly exact."""
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    stored = []
+    monkeypatch.setattr(UnifiedRadixCache, "write_backup_storage", lambda self, node_id: stored.append(node_id))
+    h = host(config=KV_ONLY)
+    h.run(A)                                                   # exact
+    h.run(A + seq(9000, 8), {"budget": 0.5})                   # approximate: [40, 48) has a bound
+    nodes = dict((node.id, depth) for node, depth in h.nodes())
+    assert max(nodes.values()) == 48
+    for node_id in nodes:
+        h.cache.write_backup_storage(node_id)                  # what each write-through ack calls
+    assert sorted(nodes[i] for i in stored) == sorted(d for d in nodes.values() if d <= 40)
+    assert stored and all(nodes[i] <= 40 for i in stored)

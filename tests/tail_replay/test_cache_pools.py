@@ -77,10 +77,7 @@ class Harness:
 
     def admit(self, tokens, overrides: dict | None = None) -> Req:
         """Admission: match (with the state copy-on-write), lock, row + KV for the extend."""
-        self._rid += 1
-        custom = {REQUEST_PARAM_KEY: overrides} if overrides is not None else None
-        req = Req(rid=f"r{self._rid}", origin_input_text="", origin_input_ids=array("q", tokens),
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom))
+        req = self.request(tokens, overrides)
         req.init_next_round_input(self.cache)
         self.after_match(req)
         req.lock = self.cache.lock(req.last_node)
@@ -96,6 +93,13 @@ class Harness:
         req.extend_end = len(tokens)
         self.running.append(req)
         return req
+
+    def request(self, tokens, overrides: dict | None = None) -> Req:
+        """A new request (not matched yet)."""
+        self._rid += 1
+        custom = {REQUEST_PARAM_KEY: overrides} if overrides is not None else None
+        return Req(rid=f"r{self._rid}", origin_input_text="", origin_input_ids=array("q", tokens),
+                   sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom))
 
     def after_match(self, req: Req) -> None:
         """The scheduler's steps between match and lock (HiCache's load-back, test_cache_hicache.py)."""

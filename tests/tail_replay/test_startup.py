@@ -82,14 +82,14 @@ def test_exact_kv_with_a_quantized_cache_is_refused_naming_both_flags():
     assert len(lines) == 1 and "kv_mode='recompute'" in lines[0] and "kv_mode='exact' (its KV cache" in lines[0]
 
 
-def test_hierarchical_cache_runs_and_its_unchecked_modes_are_refused_naming_the_flag():
-    """The host tier runs (a KV-only tier the planner plans over); the staging-buffer host mode and
-    a storage tier, not checked against the planner, are refused by name."""
-    assert check_start(BASE, ServerFacts(hierarchical_cache=True))
+def test_hierarchical_cache_runs_and_its_unchecked_mode_is_refused_naming_the_flag():
+    """The host tier and a storage tier run (the summary says what storage gets); the staging-buffer
+    host mode, not checked against the planner, is refused by name."""
+    assert "storage tier" not in check_start(BASE, ServerFacts(hierarchical_cache=True))[0]
     with pytest.raises(StartupError, match="--hicache-host-memory-mode buffer_only"):
         check_start(BASE, ServerFacts(hierarchical_cache=True, hicache_host_memory_mode="buffer_only"))
-    with pytest.raises(StartupError, match="--hicache-storage-backend file"):
-        check_start(BASE, ServerFacts(hierarchical_cache=True, hicache_storage_backend="file"))
+    line = check_start(BASE, ServerFacts(hierarchical_cache=True, hicache_storage_backend="file"))[0]
+    assert line.endswith("; storage tier file: the attention KV of strictly exact nodes only (no states)")
     args = SimpleNamespace(kv_cache_dtype="auto", model_path="m", enable_hierarchical_cache=True,
                            hicache_host_memory_mode="buffer_only", hicache_storage_backend="mooncake")
     from sglang_ext.tail_replay import facts_from_server_args
