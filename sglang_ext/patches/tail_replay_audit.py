@@ -1,6 +1,7 @@
 """Tail-Replay's background exact runs: the live quality audit (`sglang_ext.tail_replay` `audit`:
 off unless the server sets `audit_rate` > 0 or a request asks for `audit: true`) and the exact
-repair (`sglang_ext.tail_replay.repair`: off unless `repair: true`).
+repair (`sglang_ext.tail_replay.repair`: an answer's, off unless `repair: true`; a shared state's,
+on unless `repair_shared: false`).
 
 Two seams (SGLang 0.5.23):
 
@@ -20,10 +21,10 @@ Two seams (SGLang 0.5.23):
   `GenerateReqInput` through `generate_request` in an asyncio task (drained, output dropped):
   `exactness: "exact"`, no state stored, `audit_of` = the rid, one greedy token, at the
   least-favoured priority when the server runs `--enable-priority-scheduling`.
-  A finished output that carries a repair sequence (`REPAIR_KEY` in its `cached_tokens_details`,
-  put there by `sglang_ext/patches/tail_replay_meta.py`) has the key removed before SGLang's handler
+  A finished output that carries a repair sequence (`REPAIR_KEY` or `SHARED_REPAIR_KEY` in its
+  `cached_tokens_details`, put there by `sglang_ext/patches/tail_replay_meta.py`) has the key removed before SGLang's handler
   builds the response, and unless the request was aborted the sequence is sent the same way as
-  token ids (`repair_overrides`: exact, `repair_of` = the rid, one greedy token, the request's LoRA,
+  token ids (`repair_overrides`: exact, `repair_of` = the rid, `repair_kind`, one greedy token, the request's LoRA,
   `extra_key`, `cache_salt` and DP routing), at most `MAX_REPAIRS_IN_FLIGHT` at a time.
 
 Never raises into SGLang: a failure of the audit path is logged and the served request goes on.
@@ -163,23 +164,28 @@ def _audits_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, str, Any]]
     return due
 
 
-def _repairs_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, list[int], Any]]:
-    """(rid, sequence, request object) of each finished request this output asks to repair; the
-    repair key is removed from every entry (a client never sees it)."""
-    from sglang_ext.tail_replay import REPAIR_KEY
+def _repairs_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, list[int], Any, str]]:
+    """(rid, sequence, request object, repair kind) of each repair a finished request in this output
+    asks for: its answer (`REPAIR_KEY`), a shared state on its path (`SHARED_REPAIR_KEY`); both keys
+    are removed from every entry (a client never sees them)."""
+    from sglang_ext.tail_replay import REPAIR_KEY, SHARED_REPAIR_KEY
 
     details = getattr(recv_obj, "cached_tokens_details", None)
     due = []
     for i, entry in enumerate(details or ()):
-        if not isinstance(entry, dict) or REPAIR_KEY not in entry:
+        if not isinstance(entry, dict):
             continue
-        sequence = entry.pop(REPAIR_KEY)
+        asked = [(kind, entry.pop(key)) for key, kind in ((SHARED_REPAIR_KEY, "shared_state"), (REPAIR_KEY, "answer"))
+                 if key in entry]
+        if not asked:
+            continue
         reason = recv_obj.finished_reasons[i] if i < len(recv_obj.finished_reasons) else None
         if reason is None or (isinstance(reason, dict) and reason.get("type") == "abort"):
             continue
         state = rid_to_state.get(recv_obj.rids[i])
-        if state is not None and isinstance(sequence, list) and sequence:
-            due.append((recv_obj.rids[i], sequence, state.obj))
+        for kind, sequence in asked:
+            if state is not None and isinstance(sequence, list) and sequence:
+                due.append((recv_obj.rids[i], sequence, state.obj, kind))
     return due
 
 
@@ -202,12 +208,12 @@ def _background_request(tokenizer_manager: Any, obj: Any, *, text: Any, input_id
         extra_key=getattr(obj, "extra_key", None), cache_salt=getattr(obj, "cache_salt", None))
 
 
-def repair_request(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any) -> Any:
-    """A repair run of request `rid` (its `GenerateReqInput` `obj`) over `sequence`."""
+def repair_request(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any, kind: str = "answer") -> Any:
+    """A repair run of `kind` for request `rid` (its `GenerateReqInput` `obj`) over `sequence`."""
     from sglang_ext.tail_replay import repair_overrides
 
     return _background_request(tokenizer_manager, obj, text=None, input_ids=list(sequence),
-                               overrides=repair_overrides(rid), kind="repair")
+                               overrides=repair_overrides(rid, kind), kind="repair")
 
 
 def reference_request(tokenizer_manager: Any, rid: str, obj: Any) -> Any:
@@ -235,14 +241,14 @@ async def _run_reference(tokenizer_manager: Any, rid: str, reference: Any, what:
                        what, rid, reference.rid, type(exc).__name__, exc)
 
 
-def _submit_repair(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any) -> None:
+def _submit_repair(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any, kind: str = "answer") -> None:
     from sglang_ext.tail_replay import MAX_REPAIRS_IN_FLIGHT
 
     if len(_repairs) >= MAX_REPAIRS_IN_FLIGHT:
-        logger.warning("Tail-Replay repair of rid=%s skipped: %d repairs in flight (the conversation stays "
-                       "approximate until a later turn is repaired)", rid, len(_repairs))
+        logger.warning("Tail-Replay repair of rid=%s (%s) skipped: %d repairs in flight (what it would have "
+                       "made exact stays approximate until a later request asks again)", rid, kind, len(_repairs))
         return
-    run = repair_request(tokenizer_manager, rid, sequence, obj)
+    run = repair_request(tokenizer_manager, rid, sequence, obj, kind)
     task = asyncio.get_running_loop().create_task(_run_reference(tokenizer_manager, rid, run, "repair"))
     _repairs.add(task)
     task.add_done_callback(_repairs.discard)
@@ -282,9 +288,9 @@ def _wrap_handle_batch_output(original: Callable) -> Callable:
                 _submit(self, rid, trigger, obj)
             except Exception:
                 logger.exception("Tail-Replay audit of rid=%s: the reference run could not be sent", rid)
-        for rid, sequence, obj in repairs:
+        for rid, sequence, obj, kind in repairs:
             try:
-                _submit_repair(self, rid, sequence, obj)
+                _submit_repair(self, rid, sequence, obj, kind)
             except Exception:
                 logger.exception("Tail-Replay repair of rid=%s: the repair run could not be sent", rid)
 

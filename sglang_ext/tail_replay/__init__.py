@@ -69,7 +69,10 @@ A request's route (SGLang 0.5.23), seam by seam:
    finished not-exact answer's sequence (`repair_due`, `repair_sequence`) under `REPAIR_KEY`;
    `sglang_ext/patches/tail_replay_audit.py` removes it in the tokenizer process and sends it as an
    exact background run (`repair_overrides`: `repair_of`), whose exact KV and end state replace the
-   approximate ones in the tree.
+   approximate ones in the tree. Shared-state repair (on unless `repair_shared: false`): at the
+   match (`TailReplayRadixCache._note_shared_repair`, `shared_repair_due`) a request whose path's
+   deepest state is approximate and a branch point asks for it; at its finish the state's prefix
+   goes under `SHARED_REPAIR_KEY` and is sent the same way (`repair_kind: "shared_state"`).
 """
 
 from __future__ import annotations
@@ -123,9 +126,11 @@ from sglang_ext.tail_replay.provenance import CarrySegments, carry_segments
 from sglang_ext.tail_replay.repair import (
     MAX_REPAIRS_IN_FLIGHT,
     REPAIR_KEY,
+    SHARED_REPAIR_KEY,
     repair_due,
     repair_overrides,
     repair_sequence,
+    shared_repair_due,
 )
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attach, plan_of, record_of
 from sglang_ext.tail_replay.startup import (
@@ -159,7 +164,8 @@ __all__ = [
     "replay_summary", "output_provenance", "record_audit", "record_repair_finished", "records_here",
     "AuditResult", "Divergence", "PendingAudits", "ServedAnswer", "audit_trigger", "divergence", "log_probs",
     "prompt_key", "reference_overrides",
-    "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",
+    "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "SHARED_REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",
+    "shared_repair_due",
     "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
     "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
     *_FROM_CACHE,

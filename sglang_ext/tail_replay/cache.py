@@ -9,6 +9,8 @@ What changes against SGLang 0.5.23's `UnifiedRadixCache` + `MambaComponent`:
   of its KV per token, every stored state its bound; approximate end states are stored too (with
   their bound: a conversation's next turn resumes from them), and fresh KV of a smaller bound
   replaces an approximate node's on insert (where no request holds that node).
+- shared-state repair (`tail_replay.repair`): a request whose matched path ends its states at an
+  approximate one that conversations branch from asks for that state's exact recomputation.
 - caching: with keep_checkpoints=False no state is inserted; the attention KV always is.
 The per-request decision goes into the request's record (`tail_replay.request`): its config
 (resolved once, at the first match), the plan (a ReplayPlan) and, for exact-KV replay, `kv_slots`:
@@ -18,6 +20,8 @@ the tree's KV slots of the replayed tail, read by `sglang_ext/patches/tail_repla
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -40,6 +44,7 @@ from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, reques
 from sglang_ext.tail_replay.metrics import record_stored_bound
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 from sglang_ext.tail_replay.provenance import CarryBound, NodeProvenance, PathProvenance
+from sglang_ext.tail_replay.repair import SHARED_REPAIR_RESEND_S, shared_repair_due
 from sglang_ext.tail_replay.request import HostLoad, TailReplayRequest, attach, bounds_of, computed_from, plan_of, record_of
 
 if TYPE_CHECKING:
@@ -50,6 +55,8 @@ __all__ = ["BACKEND_NAME", "TailReplayRadixCache", "TailReplayMambaComponent", "
 
 #: the attribute of a tree node holding its NodeProvenance (absent: strictly exact)
 PROVENANCE_ATTR = "sglang_ext_provenance"
+#: the attribute of a tree node whose state's shared-state repair was asked for: when (monotonic s)
+_SHARED_REPAIR_ATTR = "sglang_ext_shared_repair_at"
 
 
 def provenance_of(node: Any) -> NodeProvenance | None:
@@ -106,6 +113,8 @@ class TailReplayMambaComponent(MambaComponent):
         that branches there resumes from a state, as on stock SGLang (whose match ends at the
         deepest state; here it runs as deep as the KV). The state is stored with the request's
         bound there (exact, or approximate)."""
+        if params.req is not None and record_for(self.config, params.req).config.repair_kind == "shared_state":
+            return result._replace(mamba_branching_seqlen=None)   # the run keeps its end state only
         aligned = result.full_kv_hit_length // self.mamba_checkpoint_grid * self.mamba_checkpoint_grid
         node, depth, state_depth = result.last_device_node, result.device_prefix_len, 0   # a node here, not an id
         while node is not None and node is not self.tree_core.root_node:
@@ -441,8 +450,10 @@ class TailReplayRadixCache(UnifiedRadixCache):
         if result.host_hit_length > 0:
             planned = self._plan(record, device_len + result.host_hit_length, result.best_match_node)
             if planned.plan.prefix_len > device_len:
+                self._note_shared_repair(record, planned.prov)
                 return self._apply_host_plan(req, record, result, planned)
         planned = self._plan(record, device_len, result.last_device_node)
+        self._note_shared_repair(record, planned.prov)
         if self._state_on_host(planned):
             return self._apply_host_plan(req, record, result, planned)
         plan, start_state, prov, last_node = planned
@@ -457,6 +468,34 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return result._replace(device_prefix_len=plan.prefix_len, last_device_node=last_node,
                                last_host_node=last_node, best_match_node=last_node,
                                host_hit_length=0, mamba_host_hit_length=0)
+
+    def _note_shared_repair(self, record: TailReplayRequest, prov: PathProvenance) -> None:
+        """Shared-state repair (tail_replay/repair.py): when the matched path's deepest state does
+        not count as exact and conversations branch from its node, the request asks for its
+        repair (`record.shared_repair`, sent when it finishes). The repair run's exact state lands
+        at its end, or under the extra buffer on the checkpoint grid below it (where stock SGLang
+        keeps its branch-point state); once an exact state sits that deep, nothing is asked. Once
+        per state: the node is marked when asked, and asked again only after
+        `SHARED_REPAIR_RESEND_S` (if the repair never landed). May mutate: the record's
+        `shared_repair`, the node's mark."""
+        record.shared_repair = None
+        if not prov.states:
+            return
+        deepest = prov.states[0]
+        node = self.tree_core.node_by_id(deepest.node_id)
+        if not shared_repair_due(record.config, bound=deepest.bound, branches=len(node.children)):
+            return
+        # where the repair's state lands: its run's end, on the extra buffer's checkpoint grid
+        grid = self.components[ComponentType.MAMBA].mamba_checkpoint_grid if self.enable_mamba_extra_buffer else 1
+        lands = deepest.depth // grid * grid
+        exact = prov.deepest_exact_state(record.config.exact_threshold, strict=False)
+        if lands == 0 or (exact is not None and exact.depth >= lands):
+            return   # nothing to land, or it has landed: an exact state as deep as a repair's would be
+        now = time.monotonic()
+        if now - getattr(node, _SHARED_REPAIR_ATTR, -math.inf) < SHARED_REPAIR_RESEND_S:
+            return
+        setattr(node, _SHARED_REPAIR_ATTR, now)
+        record.shared_repair = deepest.depth
 
     def _apply_host_plan(self, req: Any, record: TailReplayRequest, result: MatchResult,
                          planned: _Planned) -> MatchResult:

@@ -38,6 +38,9 @@ EXACTNESS = ("approximate", "exact_first", "exact")
 #: "ends" (a state its conversation has moved past first, then least recently used) or
 #: "approximate_first" (a state that does not count as exact first, then least recently used)
 STATE_ORDERS = ("lru", "ends", "approximate_first")
+#: `repair_kind` of a repair run: a finished answer's sequence ("answer", `repair: true`) or a shared
+#: state's prefix ("shared_state", `repair_shared: true`)
+REPAIR_KINDS = ("answer", "shared_state")
 #: per-request overrides: `sampling_params.custom_params["tail_replay"] = {"budget": 0.1, ...}`
 REQUEST_PARAM_KEY = "tail_replay"
 #: `budget: "auto"`: the window certified by the model's decay profile (tail_replay/decay_profile.py)
@@ -95,9 +98,19 @@ class TailReplayConfig:
     #: along it and its end state become exact and the conversation's next turn resumes exactly
     #: (server default, and per request)
     repair: bool = False
+    #: shared-state repair (tail_replay/repair.py): when a request's matched path ends its states
+    #: at one that does not count as exact and that conversations branch from (its node has two
+    #: children or more: e.g. the end of a shared system prompt that an approximate replay
+    #: reached first), that state is recomputed exactly in the background, once, so later
+    #: conversations branching there resume exactly, as on stock SGLang (server default, and per
+    #: request)
+    repair_shared: bool = True
     #: set by the server on its own repair runs: the rid of the request being repaired (never
     #: repaired or audited itself); per request only
     repair_of: str | None = None
+    #: set by the server on its own repair runs: what it repairs (one of `REPAIR_KINDS`); per
+    #: request only
+    repair_kind: str = "answer"
     #: which stored state is freed first when the state pool is full: "lru" (SGLang's order:
     #: least recently used) or "ends" (first a state its conversation has moved past, i.e. whose
     #: node continues in exactly one child with a state further down, least recently used first;
@@ -126,6 +139,8 @@ class TailReplayConfig:
         _check(0.0 <= self.exact_threshold < 1.0, "exact_threshold",
                f"must be in [0, 1), got {self.exact_threshold}")
         _check(0.0 <= self.audit_rate <= 1.0, "audit_rate", f"must be in [0, 1], got {self.audit_rate}")
+        _check(self.repair_kind in REPAIR_KINDS, "repair_kind",
+               f"must be one of {REPAIR_KINDS}, got {self.repair_kind!r}")
         _check(self.state_order in STATE_ORDERS, "state_order", f"must be one of {STATE_ORDERS}, got {self.state_order!r}")
 
     @property
@@ -154,12 +169,13 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
     "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
     "exactness": str, "exact_threshold": (int, float), "audit_rate": (int, float), "audit": bool,
-    "audit_of": str, "state_order": str, "repair": bool, "repair_of": str}
+    "audit_of": str, "state_order": str, "repair": bool, "repair_shared": bool, "repair_of": str,
+    "repair_kind": str}
 #: keys a request may not set (a file path, what counts as exact, how much of its traffic is
 #: audited and the state pool's eviction order are the server's business)
 _SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order")
 #: keys only a request sets (what happens to one request)
-_REQUEST_ONLY = ("audit", "audit_of", "repair_of")
+_REQUEST_ONLY = ("audit", "audit_of", "repair_of", "repair_kind")
 
 
 def _check(ok: bool, key: str, message: str) -> None:

@@ -70,8 +70,9 @@ def _counters() -> dict:
         "repairs": Counter(
             "sglang_ext:tail_replay_repairs",
             "Exact repair runs finished (their sequence inserted into the tree): a finished answer that was "
-            "not exact recomputed exactly in the background (repair: true), so its sequence's nodes and end "
-            "state become exact"),
+            "not exact recomputed exactly in the background (kind=answer; repair: true), so its sequence's nodes "
+            "and end state become exact; an approximate state that conversations branch from recomputed "
+            "exactly (kind=shared_state; repair_shared: true)", ["kind"]),
         "audits": Counter(
             "sglang_ext:tail_replay_audits",
             "Live quality audits recorded, by trigger and by whether the served and the exact reference's "
@@ -191,7 +192,7 @@ def record_repair_finished(record: TailReplayRequest) -> None:
     once."""
     if record.config.repair_of is not None and not record.repair_counted and _this_rank_records():
         record.repair_counted = True
-        _counters()["repairs"].inc()
+        _counters()["repairs"].labels(kind=record.config.repair_kind).inc()
 
 
 def record_audit(trigger: str, divergence: Divergence) -> None:

@@ -16,6 +16,19 @@ reuse under state pressure than it saved, docs/trace_replay.md section (d).) The
 stays with the one answer that bought the lower time-to-first-token and does not spread into the
 conversation's later turns, nor into other clients' hits on the same tokens.
 
+**Shared-state repair** (`repair_shared: true`, the default). The first conversation to branch
+from a shared prefix that holds no exact state (the end of a system prompt that the other
+conversations continue differently) is served by an approximate replay, and the state it leaves
+at the branch point is approximate. Stock SGLang recomputes that request (a miss) and keeps an
+exact state there, so every later conversation that branches there resumes exactly on stock, and
+approximately here (and so do all their later turns). So when a request's matched path ends its
+states at one that does not count as exact and whose node has two children or more (a branch
+point: more than one continuation has passed it), the server recomputes that prefix exactly in
+the background, once (a run over the prefix's tokens, `repair_kind: "shared_state"`), and the
+exact state replaces the approximate one (`TailReplayMambaComponent.commit_insert_component_data`).
+A conversation's own states (a leaf, or a node with one child) are never shared-state repaired:
+only `repair: true` repairs those.
+
 What it costs: one prefill of the part of the sequence that was not exact, off the answer's
 critical path (sent after the answer finished; at the least-favoured priority when the server
 runs `--enable-priority-scheduling`, otherwise in arrival order with the traffic). A repair run
@@ -34,18 +47,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sglang_ext.tail_replay.config import TailReplayConfig
+from sglang_ext.tail_replay.provenance import counts_exact
 
 #: the `cached_tokens_details` key that carries a finished request's sequence to the tokenizer
 #: process (removed there; never in a response)
 REPAIR_KEY = "tail_replay_repair"
+#: the `cached_tokens_details` key that carries the prefix of a shared state to repair (removed in
+#: the tokenizer process; never in a response)
+SHARED_REPAIR_KEY = "tail_replay_shared_repair"
 #: repair runs in flight per tokenizer process
 MAX_REPAIRS_IN_FLIGHT = 8
+#: a shared state's repair is sent again after this long if the state is still not exact (its run
+#: was skipped, or its request aborted)
+SHARED_REPAIR_RESEND_S = 60.0
 
 
 def repair_due(config: TailReplayConfig, *, exact: bool, finished: bool) -> bool:
     """Whether a request with this config, whose answer was `exact` or not, is repaired once it has
     `finished` (an aborted request is told apart in the tokenizer process, which sees the reason)."""
     return finished and not exact and config.repair and not config.background and not config.strict
+
+
+def shared_repair_due(config: TailReplayConfig, *, bound: float, branches: int) -> bool:
+    """Whether a request with this config, whose matched path's deepest state has this `bound` and
+    whose node has `branches` children, asks for that state's shared-state repair."""
+    return (config.repair_shared and not config.background and branches >= 2
+            and not counts_exact(bound, config.exact_threshold))
 
 
 def repair_sequence(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[int]:
@@ -55,8 +82,8 @@ def repair_sequence(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> lis
     return [*prompt_ids, *output_ids[:-1]]
 
 
-def repair_overrides(rid: str) -> dict:
-    """`custom_params["tail_replay"]` of the repair run for request `rid`: exact reuse only; its end
-    state is kept as the server keeps states (with `keep_checkpoints: false` the tree holds none,
-    and a repair makes only the KV exact: the next turn still replays)."""
-    return {"exactness": "exact", "repair_of": rid, "repair": False}
+def repair_overrides(rid: str, kind: str = "answer") -> dict:
+    """`custom_params["tail_replay"]` of the repair run of `kind` for request `rid`: exact reuse
+    only; its end state is kept as the server keeps states (with `keep_checkpoints: false` the tree
+    holds none, and a repair makes only the KV exact: the next turn still replays)."""
+    return {"exactness": "exact", "repair_of": rid, "repair_kind": kind, "repair": False, "repair_shared": False}
