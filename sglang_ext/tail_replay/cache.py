@@ -471,7 +471,8 @@ class TailReplayRadixCache(UnifiedRadixCache):
 
     def _note_shared_repair(self, record: TailReplayRequest, prov: PathProvenance) -> None:
         """Shared-state repair (tail_replay/repair.py): when the matched path's deepest state does
-        not count as exact and conversations branch from its node, the request asks for its
+        not count as exact and conversations branch from it (the tree branches below its node
+        before any other state, `_branches_below`), the request asks for its
         repair (`record.shared_repair`, sent when it finishes). The repair run's exact state lands
         at its end, or under the extra buffer on the checkpoint grid below it (where stock SGLang
         keeps its branch-point state); once an exact state sits that deep, nothing is asked. Once
@@ -483,7 +484,8 @@ class TailReplayRadixCache(UnifiedRadixCache):
             return
         deepest = prov.states[0]
         node = self.tree_core.node_by_id(deepest.node_id)
-        if not shared_repair_due(record.config, bound=deepest.bound, branches=len(node.children)):
+        if not shared_repair_due(record.config, bound=deepest.bound,
+                                 branches=_branches_below(node, ComponentType.MAMBA)):
             return
         # where the repair's state lands: its run's end, on the extra buffer's checkpoint grid
         grid = self.components[ComponentType.MAMBA].mamba_checkpoint_grid if self.enable_mamba_extra_buffer else 1
@@ -613,6 +615,17 @@ def _continues_to_a_state(node: Any, component_type: Any) -> bool:
         if node.component_data[component_type].value is not None:
             return True
     return False
+
+
+def _branches_below(node: Any, component_type: Any) -> int:
+    """How many ways the tree branches below `node` before its next state: the children of the
+    first node down its single-child line that has other than one child; 1 when a state sits on
+    that line first (a conversation that moved past `node`), 0 when the line ends in a leaf."""
+    while len(node.children) == 1:
+        node = next(iter(node.children.values()))
+        if node.component_data[component_type].value is not None:
+            return 1
+    return len(node.children)
 
 
 def _carry(plan: ReplayPlan, start_state: Any, prov: PathProvenance, kv_mode: str) -> tuple[CarryBound | None, float]:

@@ -99,9 +99,9 @@ class TailReplayConfig:
     #: (server default, and per request)
     repair: bool = False
     #: shared-state repair (tail_replay/repair.py): when a request's matched path ends its states
-    #: at one that does not count as exact and that conversations branch from (its node has two
-    #: children or more: e.g. the end of a shared system prompt that an approximate replay
-    #: reached first), that state is recomputed exactly in the background, once, so later
+    #: at one that does not count as exact and that conversations branch from (the tree branches
+    #: below it before any other state: e.g. the end of a shared system prompt that an
+    #: approximate replay reached first), that state is recomputed exactly in the background, once, so later
     #: conversations branching there resume exactly, as on stock SGLang (server default, and per
     #: request)
     repair_shared: bool = True

@@ -22,8 +22,8 @@ conversations continue differently) is served by an approximate replay, and the 
 at the branch point is approximate. Stock SGLang recomputes that request (a miss) and keeps an
 exact state there, so every later conversation that branches there resumes exactly on stock, and
 approximately here (and so do all their later turns). So when a request's matched path ends its
-states at one that does not count as exact and whose node has two children or more (a branch
-point: more than one continuation has passed it), the server recomputes that prefix exactly in
+states at one that does not count as exact and below which the tree branches before any other
+state (more than one continuation has passed it), the server recomputes that prefix exactly in
 the background, once (a run over the prefix's tokens, `repair_kind: "shared_state"`), and the
 exact state replaces the approximate one (`TailReplayMambaComponent.commit_insert_component_data`).
 A conversation's own states (a leaf, or a node with one child) are never shared-state repaired:
@@ -70,7 +70,8 @@ def repair_due(config: TailReplayConfig, *, exact: bool, finished: bool) -> bool
 
 def shared_repair_due(config: TailReplayConfig, *, bound: float, branches: int) -> bool:
     """Whether a request with this config, whose matched path's deepest state has this `bound` and
-    whose node has `branches` children, asks for that state's shared-state repair."""
+    below which the tree branches `branches` ways before any other state, asks for that state's
+    shared-state repair."""
     return (config.repair_shared and not config.background and branches >= 2
             and not counts_exact(bound, config.exact_threshold))
 
