@@ -55,7 +55,8 @@ __all__ = ["BACKEND_NAME", "TailReplayRadixCache", "TailReplayMambaComponent", "
 
 #: the attribute of a tree node holding its NodeProvenance (absent: strictly exact)
 PROVENANCE_ATTR = "sglang_ext_provenance"
-#: the attribute of a tree node whose state's shared-state repair was asked for: when (monotonic s)
+#: the attribute of a tree node whose state's shared-state repair was asked for: when (monotonic s;
+#: removed when the node takes another state)
 _SHARED_REPAIR_ATTR = "sglang_ext_shared_repair_at"
 
 
@@ -153,7 +154,8 @@ class TailReplayMambaComponent(MambaComponent):
     def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
         """The new leaf's KV gets the inserting request's bounds at its positions; a state the
         tree takes gets the request's bound at its depth. An existing state of a larger bound is
-        replaced by the request's (unless locked). May mutate: the node's provenance and state."""
+        replaced by the request's (unless locked). May mutate: the node's provenance and state, its
+        shared-state repair mark (cleared when it takes a state)."""
         record = self.cache.inserting_record()
         depth = result.prefix_len + (len(node.key) if is_new_leaf else 0)
         if is_new_leaf:
@@ -175,6 +177,8 @@ class TailReplayMambaComponent(MambaComponent):
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
             if had_state:
                 return   # the tree keeps its own state (and its bound)
+        if hasattr(node, _SHARED_REPAIR_ATTR):
+            delattr(node, _SHARED_REPAIR_ATTR)   # another state: a repair may be asked for it
             if cd.host_value is not None and old is not None:
                 state_bound = max(state_bound, old.state)   # the host copy is the node's state too
         prov = provenance_of(node) or NodeProvenance()
@@ -477,8 +481,9 @@ class TailReplayRadixCache(UnifiedRadixCache):
         at its end, or under the extra buffer on the checkpoint grid below it (where stock SGLang
         keeps its branch-point state); once an exact state sits that deep, nothing is asked. Once
         per state: the node is marked when asked, and asked again only after
-        `SHARED_REPAIR_RESEND_S` (if the repair never landed). May mutate: the record's
-        `shared_repair`, the node's mark."""
+        `SHARED_REPAIR_RESEND_S` (if the repair never landed); a state stored on the node clears
+        the mark (`commit_insert_component_data`: the state asked for was freed, and another one
+        is there now). May mutate: the record's `shared_repair`, the node's mark."""
         record.shared_repair = None
         if not prov.states:
             return

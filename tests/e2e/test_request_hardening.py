@@ -220,7 +220,8 @@ def test_bad_env_config_on_the_plain_sglang_path_is_one_clear_error(tiny_model_f
     assert errors == ["sglang_ext: error: tail-replay config key 'bugdet': unknown key; known keys: "
                       "['audit', 'audit_of', 'audit_rate', 'budget', 'decay_percentile', 'decay_profile', "
                       "'exact_threshold', 'exactness', 'keep_checkpoints', 'kv_mode', 'max_replay_tokens', "
-                      "'min_match_tokens', 'min_replay_tokens', 'repair', 'repair_of', 'state_order', 'tolerance']"]
+                      "'min_match_tokens', 'min_replay_tokens', 'repair', 'repair_kind', 'repair_of', 'repair_shared', "
+                      "'state_order', 'tolerance']"]
     assert "Traceback" not in proc.stderr
 
 

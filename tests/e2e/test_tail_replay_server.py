@@ -453,9 +453,9 @@ def test_exactness_metrics(servers):
     assert metric_total(after, stored, 'kind="kv"') > metric_total(before, stored, 'kind="kv"')
 
 
-def _wait_for(server, name: str, at_least: float, timeout_s: float = 60.0) -> None:
+def _wait_for(server, name: str, at_least: float, labels: str = "", timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while metric_total(_metrics(server), name) < at_least:
+    while metric_total(_metrics(server), name, labels) < at_least:
         assert time.monotonic() < deadline, f"{name} did not reach {at_least} within {timeout_s} s"
         time.sleep(0.2)
 
@@ -472,7 +472,7 @@ def test_repair_makes_a_conversations_next_turn_exact(servers, hf_qwen):
     turn = _warm_then_ask(server, document, question, {"repair": True})
     assert _summary(turn)["kind"] == "approximate" and _summary(turn)["exact"] is False
     assert set(turn["meta_info"]["cached_tokens_details"]) == {"device", "host", "tail_replay"}
-    _wait_for(server, repairs, metric_total(before, repairs) + 1)
+    _wait_for(server, repairs, metric_total(before, repairs, 'kind="answer"') + 1, 'kind="answer"')
     history = document + question + turn["output_ids"]
     prompt = history + random_prompt(24, seed=112)
     follow = ask(server, prompt, {"repair": True})
@@ -481,7 +481,7 @@ def test_repair_makes_a_conversations_next_turn_exact(servers, hf_qwen):
     assert summary["reused_tokens"] == len(history) - 1 and summary["replayed_tokens"] == 0
     assert_matches_reference(follow, greedy_reference(hf_qwen, prompt, 6))
     after = _metrics(server)
-    assert _delta(before, after, repairs) == 1   # turn 2 was exact: no repair
+    assert _delta(before, after, repairs, 'kind="answer"') == 1   # turn 2 was exact: no repair
     assert _delta(before, after, traffic) == 3   # warm-up, turns 1-2; not the repair
     _pools_clean(server)
 

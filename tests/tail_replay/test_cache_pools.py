@@ -515,6 +515,85 @@ def test_state_order_approximate_first_keeps_the_exact_states(order):
     h.assert_no_leak()
 
 
+# ---------------------------------------------------------------- shared-state repair
+
+
+def test_an_approximate_state_conversations_branch_from_asks_for_its_repair_once():
+    """A's KV without a state; a request replays past it (approximate) and leaves its end state at
+    48 (bound > 0). Its conversation's next turn resumes there: a conversation's own state, not
+    shared. A second continuation passes it while a state sits further down its one child: still
+    not shared. A third finds the tree branching below it: it asks for the state's repair, once
+    (the node is marked). The repair run (exact, over the 48 tokens) replaces the state with an
+    exact one, and the next continuation resumes exactly."""
+    from sglang_ext.tail_replay.repair import repair_overrides
+
+    h = Harness(1)
+    a = seq(30_000, 40)
+    h.run(a, {"keep_checkpoints": False})
+    base = a[:36] + seq(31_000, 12)
+    first = h.run(base)
+    assert plan_of(first).kind is HitKind.APPROXIMATE and record_of(first).shared_repair is None
+    asked = []
+    for start in (32_000, 33_000, 34_000, 35_000):
+        req = h.run(base + seq(start, 8))
+        assert plan_of(req).kind is HitKind.APPROXIMATE_CHECKPOINT and plan_of(req).prefix_len == 48
+        asked.append(record_of(req).shared_repair)
+    assert asked == [None, None, 48, None]   # own state; a state below its one child; shared; marked
+    state_node = next(n for n, d in h.nodes() if d == 48)
+    assert provenance_of(state_node).state > 0
+    repair = h.run(base, repair_overrides("r-shared", "shared_state"))
+    assert plan_of(repair).kind is HitKind.MISS and record_of(repair).shared_repair is None
+    assert provenance_of(state_node) is None or provenance_of(state_node).state == 0.0   # exact now
+    after = h.run(base + seq(36_000, 8))
+    assert plan_of(after).kind is HitKind.EXACT_CHECKPOINT and plan_of(after).prefix_len == 48
+    assert record_of(after).shared_repair is None
+    h.assert_no_leak()
+
+
+def test_a_shared_state_repair_is_asked_again_only_after_the_resend_delay():
+    from sglang_ext.tail_replay import cache as cache_module
+
+    h = Harness(1)
+    a = seq(30_000, 40)
+    h.run(a, {"keep_checkpoints": False})
+    base = a[:36] + seq(31_000, 12)
+    h.run(base)
+    h.run(base + seq(32_000, 8), {"keep_checkpoints": False})
+    h.run(base + seq(33_000, 8), {"keep_checkpoints": False})    # two ways below the state at 48
+    asked = [record_of(h.run(base + seq(34_000 + i, 4), {"keep_checkpoints": False})).shared_repair
+             for i in range(2)]
+    assert asked == [48, None]
+    with mock.patch.object(cache_module.time, "monotonic",
+                           return_value=cache_module.time.monotonic() + cache_module.SHARED_REPAIR_RESEND_S + 1):
+        assert record_of(h.run(base + seq(36_000, 4), {"keep_checkpoints": False})).shared_repair == 48
+    off = h.run(base + seq(37_000, 4), {"keep_checkpoints": False, "repair_shared": False})
+    assert record_of(off).shared_repair is None
+    h.assert_no_leak()
+
+
+def test_a_state_stored_again_after_its_eviction_may_be_repaired_again():
+    """The shared state at 48 is asked for, then freed under state pressure (four slots) before
+    any repair; a later replay stores a new approximate state there, and the next request that
+    finds the tree branching below it asks again (the mark went with the old state)."""
+    h = Harness(1, mamba_size=4, max_reqs=2)
+    a = seq(30_000, 40)
+    h.run(a, {"keep_checkpoints": False})
+    base = a[:36] + seq(31_000, 12)
+    h.run(base)
+    for start in (32_000, 33_000):
+        h.run(base + seq(start, 8), {"keep_checkpoints": False})
+    assert record_of(h.run(base + seq(34_000, 4), {"keep_checkpoints": False})).shared_repair == 48
+    for start in (40_000, 50_000, 60_000, 70_000):
+        h.run(seq(start, 40))                              # four new conversations: the state at 48 goes
+    assert 48 not in h.state_nodes()
+    again = h.run(base)                                    # a replay to 48 stores an approximate state there
+    assert plan_of(again).kind is HitKind.APPROXIMATE
+    state_node = next(n for n, d in h.nodes() if d == 48 and n.component_data[MAMBA].value is not None)
+    assert provenance_of(state_node).state > 0 and len(state_node.children) == 3
+    assert record_of(h.run(base + seq(36_000, 4), {"keep_checkpoints": False})).shared_repair == 48
+    h.assert_no_leak()
+
+
 # ---------------------------------------------------------------- the request record
 
 

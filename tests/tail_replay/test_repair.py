@@ -17,7 +17,14 @@ from sglang_ext.tail_replay.config import (
     request_overrides,
     with_overrides,
 )
-from sglang_ext.tail_replay.repair import REPAIR_KEY, repair_due, repair_overrides, repair_sequence
+from sglang_ext.tail_replay.repair import (
+    REPAIR_KEY,
+    SHARED_REPAIR_KEY,
+    repair_due,
+    repair_overrides,
+    repair_sequence,
+    shared_repair_due,
+)
 
 ON = with_overrides(DEFAULTS, {"repair": True})
 
@@ -73,7 +80,7 @@ def test_tokenizer_side_removes_the_key_from_every_entry_and_sends_only_finished
                None]
     reasons = [{"type": "length"}, {"type": "abort", "message": "client gone"}, None, {"type": "stop"}]
     due = tail_replay_audit._repairs_due(_output(details, reasons, ["a", "b", "c", "d"]), states)
-    assert due == [("a", [1, 2, 5], "obj-a")]
+    assert due == [("a", [1, 2, 5], "obj-a", "answer")]
     assert all(REPAIR_KEY not in entry for entry in details if entry)
     assert details[0] == {"device": 1, "tail_replay": {"exact": False}}
 
@@ -82,3 +89,46 @@ def test_tokenizer_side_skips_a_request_whose_state_is_gone():
     details = [{REPAIR_KEY: [1, 2]}]
     assert tail_replay_audit._repairs_due(_output(details, [{"type": "stop"}], ["gone"]), {}) == []
     assert details == [{}]
+
+
+def test_tokenizer_side_sends_a_shared_state_repair_beside_an_answers():
+    states = {"a": SimpleNamespace(obj="obj-a"), "b": SimpleNamespace(obj="obj-b")}
+    details = [{"device": 1, SHARED_REPAIR_KEY: [1, 2], REPAIR_KEY: [1, 2, 3, 4]}, {SHARED_REPAIR_KEY: [7]}]
+    due = tail_replay_audit._repairs_due(_output(details, [{"type": "stop"}, {"type": "abort"}], ["a", "b"]), states)
+    assert due == [("a", [1, 2], "obj-a", "shared_state"), ("a", [1, 2, 3, 4], "obj-a", "answer")]
+    assert details == [{"device": 1}, {}]   # the keys never reach a client, aborted or not
+
+
+# ---------------------------------------------------------------- shared-state repair
+
+def test_shared_state_repair_is_on_by_default_for_an_approximate_state_conversations_branch_from():
+    assert DEFAULTS.repair_shared is True
+    assert shared_repair_due(DEFAULTS, bound=0.3, branches=2)
+    assert shared_repair_due(DEFAULTS, bound=0.3, branches=5)
+
+
+@pytest.mark.parametrize(("bound", "branches"), [(0.3, 1), (0.3, 0), (0.0, 2), (DEFAULTS.exact_threshold, 3)])
+def test_a_conversations_own_state_or_an_exact_one_is_not_shared_state_repaired(bound, branches):
+    assert not shared_repair_due(DEFAULTS, bound=bound, branches=branches)
+
+
+@pytest.mark.parametrize("overrides", [{"repair_shared": False}, {"repair_of": "r1"}, {"audit_of": "r1"}])
+def test_shared_state_repair_off_and_background_runs_never_ask(overrides):
+    assert not shared_repair_due(with_overrides(DEFAULTS, overrides), bound=0.3, branches=2)
+
+
+def test_shared_state_repair_run_overrides_are_exact_background_and_ask_for_nothing():
+    config = request_overrides(DEFAULTS, {"tail_replay": repair_overrides("rid-8", "shared_state")})
+    assert config.strict and config.background and config.repair_of == "rid-8"
+    assert config.repair_kind == "shared_state" and not config.repair_shared and not config.repair
+    assert repair_overrides("rid-8")["repair_kind"] == "answer"
+
+
+def test_repair_kind_is_checked_and_only_the_server_sets_it():
+    with pytest.raises(TailReplayConfigError, match="'repair_kind'.*must be one of"):
+        request_overrides(DEFAULTS, {"tail_replay": {"repair_kind": "branch"}})
+    with pytest.raises(TailReplayConfigError, match="'repair_kind'.*per-request"):
+        config_from_dict({"repair_kind": "answer"})
+    with pytest.raises(TailReplayConfigError, match="'repair_shared'.*wrong type"):
+        config_from_dict({"repair_shared": "yes"})
+    assert config_from_dict({"repair_shared": False}).repair_shared is False
