@@ -160,50 +160,6 @@ def test_prefill_tracked_checkpoint_is_exact(servers, references):
     assert_matches_reference(result, references("nemotron-h", question))
 
 
-def _metric(server, name: str, labels: str = "") -> float:
-    text = requests.get(f"{server.url}/metrics", timeout=30).text
-    pattern = rf"^{re.escape(name)}(?:{{[^}}]*{re.escape(labels)}[^}}]*}})? ([0-9.e+-]+)$"
-    return sum(float(v) for v in re.findall(pattern, text, re.M))
-
-
-SHARED_REPAIRS = ("sglang_ext:tail_replay_repairs_total", 'kind="shared_state"')
-
-
-def test_shared_state_repair_makes_the_next_conversation_branching_there_exact(servers, references):
-    """A shared 150-token system prompt. The first conversation (300 tokens) is a miss; its
-    prefill keeps an exact state at 256 only. The second one matches the shared 150 tokens and
-    replays approximately, leaving its state at 128 (the branch point on the checkpoint grid)
-    approximate: stock SGLang recomputes that request and keeps an exact state there. The third one
-    finds the tree branching below that approximate state and asks for its repair: the server
-    recomputes the first 128 tokens exactly in the background (once), so the fourth conversation
-    resumes exactly from 128 and equals transformers, as on stock SGLang. A conversation's next
-    turn, which resumes from its own state, asks for nothing."""
-    server = servers["checkpoints"]
-    system = random_prompt(150, seed=60)
-    before = _metric(server, *SHARED_REPAIRS)
-    assert details(ask(server, system + random_prompt(150, seed=61), new_tokens=1))["kind"] == "miss"
-    second_prompt = system + random_prompt(40, seed=62)
-    second = ask(server, second_prompt)
-    assert details(second)["kind"] == "approximate" and details(second)["exact"] is False
-    third = ask(server, system + random_prompt(40, seed=63))
-    assert details(third)["exact"] is False and details(third)["matched_tokens"] >= 128
-    deadline = time.monotonic() + 60
-    while _metric(server, *SHARED_REPAIRS) < before + 1:
-        assert time.monotonic() < deadline, "the shared state's repair did not finish within 60 s"
-        time.sleep(0.2)
-    fourth_prompt = system + random_prompt(40, seed=64)
-    fourth = ask(server, fourth_prompt)
-    assert details(fourth) == {"kind": "exact_checkpoint", "matched_tokens": 150, "reused_tokens": 128,
-                               "replayed_tokens": 22, "exact": True, "bound": 0.0}, details(fourth)
-    assert_matches_reference(fourth, references("nemotron-h", fourth_prompt))
-    # the second conversation's next turn resumes from its own (approximate) state: no repair
-    follow = ask(server, second_prompt + second["output_ids"] + random_prompt(QUESTION, seed=65))
-    assert details(follow)["kind"] == "approximate_checkpoint"
-    time.sleep(1)
-    assert _metric(server, *SHARED_REPAIRS) == before + 1
-    assert "Traceback" not in server.log_text()
-
-
 @pytest.mark.parametrize("name", SERVERS)
 def test_idle_pool_accounting_check_runs_clean(servers, name):
     server = servers[name]

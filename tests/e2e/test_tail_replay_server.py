@@ -486,6 +486,42 @@ def test_repair_makes_a_conversations_next_turn_exact(servers, hf_qwen):
     _pools_clean(server)
 
 
+def test_shared_state_repair_makes_the_next_continuation_of_a_shared_prefix_exact(servers, hf_qwen):
+    """Shared-state repair (on by default). A document's KV without a state; a first client's
+    request replays past it approximately and leaves its end state (approximate) at the end of its
+    sequence. Other clients continue that sequence: the first resumes from it (a conversation's
+    own state: no repair), the second finds the tree branching below it (still no repair: the
+    first continuation stored no state and a leaf is not a branch), the third finds two branches
+    and asks for its repair. The server recomputes that prefix exactly in the background, once
+    (counted as kind="shared_state", never as traffic), and the next continuation resumes exactly
+    from the repaired state and equals transformers' full prefill."""
+    server = servers["qwen3-next"]
+    shared_repairs = ("sglang_ext:tail_replay_repairs_total", 'kind="shared_state"')
+    traffic = "sglang_ext:tail_replay_requests_total"
+    document = random_prompt(L, seed=130)
+    before = _metrics(server)
+    question = random_prompt(SUFFIX, seed=131)
+    first = _warm_then_ask(server, document, question)
+    assert _summary(first)["kind"] == "approximate" and _summary(first)["exact"] is False
+    shared = document + question + first["output_ids"][:-1]   # what the tree holds, its state at the end
+    for i in range(3):
+        turn = ask(server, shared + random_prompt(8, seed=132 + i), {"keep_checkpoints": False})
+        assert _summary(turn)["kind"] == "approximate_checkpoint", _summary(turn)
+        assert _summary(turn)["reused_tokens"] == len(shared)
+    _wait_for(server, shared_repairs[0], metric_total(before, *shared_repairs) + 1, shared_repairs[1])
+    prompt = shared + random_prompt(8, seed=140)
+    after_repair = ask(server, prompt)
+    summary = _summary(after_repair)
+    assert summary["kind"] == "exact_checkpoint" and summary["exact"] is True and summary["bound"] == 0.0, summary
+    assert summary["reused_tokens"] == len(shared)
+    assert_matches_reference(after_repair, greedy_reference(hf_qwen, prompt, 6))
+    after = _metrics(server)
+    assert _delta(before, after, *shared_repairs) == 1                       # once
+    assert _delta(before, after, "sglang_ext:tail_replay_repairs_total", 'kind="answer"') == 0
+    assert _delta(before, after, traffic) == 6           # warm-up, first, three continuations, the last
+    _pools_clean(server)
+
+
 # ---------------------------------------------------------------- live quality audit
 
 AUDIT_KL = "sglang_ext:tail_replay_audit_kl"
