@@ -177,10 +177,10 @@ class TailReplayMambaComponent(MambaComponent):
             super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
             if had_state:
                 return   # the tree keeps its own state (and its bound)
-        if hasattr(node, _SHARED_REPAIR_ATTR):
-            delattr(node, _SHARED_REPAIR_ATTR)   # another state: a repair may be asked for it
             if cd.host_value is not None and old is not None:
                 state_bound = max(state_bound, old.state)   # the host copy is the node's state too
+        if hasattr(node, _SHARED_REPAIR_ATTR):
+            delattr(node, _SHARED_REPAIR_ATTR)   # another state: a repair may be asked for it
         prov = provenance_of(node) or NodeProvenance()
         _set_provenance(node, NodeProvenance(prov.kv, state_bound))
         record_stored_bound("state", state_bound)

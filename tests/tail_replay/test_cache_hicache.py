@@ -351,3 +351,32 @@ def test_only_strictly_exact_kv_is_backed_up_to_storage(host, monkeypatch):
         h.cache.write_backup_storage(node_id)                  # what each write-through ack calls
     assert sorted(nodes[i] for i in stored) == sorted(d for d in nodes.values() if d <= 40)
     assert stored and all(nodes[i] <= 40 for i in stored)
+
+
+def test_a_state_stored_over_an_approximate_host_copy_keeps_the_copys_bound(host):
+    """An approximate end state (bound > 0) goes to the host, and device pressure frees its device
+    copy alone. An exact request then ends at the same node and stores its exact state there: the
+    node's state bound stays the host copy's (the host copy is the node's state too, and a later
+    load-back may bring it in)."""
+    h = host()
+    h.run(A, {"keep_checkpoints": False})
+    tokens = A[:36] + seq(31_000, 4)
+    approx = h.run(tokens)
+    assert plan_of(approx).kind is HitKind.APPROXIMATE
+    node = next(node for node, d in h.nodes() if d == 40 and node.component_data[MAMBA].value is not None)
+    bound = provenance_of(node).state
+    assert bound > 0
+    h.backup_all()
+    assert node.component_data[MAMBA].host_value is not None
+    component = h.cache.components[MAMBA]
+    frees = {FULL: [], MAMBA: []}
+    h.cache.tree_core._evict_component_and_detach_lru(node, component, frees, {FULL: [], MAMBA: []}, [],
+                                                      tracker={FULL: 0, MAMBA: 0})
+    for value in frees[MAMBA]:
+        h.pool.mamba_allocator.free(value)
+    assert node.component_data[MAMBA].value is None
+    exact = h.run(tokens, {"exactness": "exact"})
+    assert record_of(exact).plan.kind is not HitKind.APPROXIMATE
+    assert node.component_data[MAMBA].value is not None           # the exact request's state
+    assert provenance_of(node).state == bound
+    h.assert_no_leak()
