@@ -349,6 +349,8 @@ def test_concurrent_clients_with_overlapping_prefixes(servers):
     ({"audit_rate": 0.5}, "'audit_rate': is a server setting"),
     ({"exactness": "maybe"}, "'exactness': must be one of"),
     ({"exact_threshold": 0.5}, "'exact_threshold': is a server setting"),
+    ({"repair_kind": "branch"}, "'repair_kind': must be one of"),
+    ({"repair_shared": "yes"}, "'repair_shared': has the wrong type"),
 ])
 def test_bad_request_override_is_that_requests_error(servers, overrides, needle):
     server = servers["qwen3-next"]
