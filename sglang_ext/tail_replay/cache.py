@@ -462,6 +462,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
             return self._apply_host_plan(req, record, result, planned)
         plan, start_state, prov, last_node = planned
         config = record.config
+        self._touch_start_state(planned)
         record.set_plan(plan, *_carry(plan, start_state, prov, config.kv_mode))
         record.kv_slots = self._tail_kv_slots(plan, config, last_node)
         own_tail.begin(record, plan, config.kv_mode)   # recompute: the request keeps its tail KV
@@ -472,6 +473,21 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return result._replace(device_prefix_len=plan.prefix_len, last_device_node=last_node,
                                last_host_node=last_node, best_match_node=last_node,
                                host_hit_length=0, mamba_host_hit_length=0)
+
+    def _touch_start_state(self, planned: _Planned) -> None:
+        """The state a plan resumes from becomes the most recently used one, as on stock SGLang,
+        whose match touches the state it ends at because that is the state the request copies.
+        Here the match runs to the end of the KV (`create_match_validator` accepts every node), so
+        SGLang's touch lands on whatever state sits there, or on none; a state the plan resumes
+        from above it (an exact state below a deeper approximate one, a branch-point state) would
+        otherwise age as if unused and go first under state pressure. May mutate: the device state
+        LRU's order (nothing when the state is on the host only)."""
+        if not planned.plan.from_checkpoint:
+            return
+        node = self.tree_core.node_by_id(planned.start_state.node_id)
+        lru = self.tree_core.lru_lists[ComponentType.MAMBA]
+        if node.component_data[ComponentType.MAMBA].value is not None and lru.in_list(node):
+            lru.reset_node_mru(node)
 
     def _note_shared_repair(self, record: TailReplayRequest, prov: PathProvenance) -> None:
         """Shared-state repair (tail_replay/repair.py): when the matched path's deepest state does
@@ -514,6 +530,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
         to the device prefix; the tail's KV slots are read after the load."""
         plan, start_state, prov, last_node = planned
         config = record.config
+        self._touch_start_state(planned)
         load_end = plan.matched_tokens if plan.reuses_tail_kv else plan.prefix_len
         target = self._node_at_depth(last_node, load_end)
         device_len, device_node = result.device_prefix_len, result.last_device_node

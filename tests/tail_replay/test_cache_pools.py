@@ -515,6 +515,32 @@ def test_state_order_approximate_first_keeps_the_exact_states(order):
     h.assert_no_leak()
 
 
+def test_the_state_a_plan_resumes_from_is_the_most_recently_used():
+    """Stock SGLang's match touches the state it ends at, the one the request copies. Here the
+    match runs to the end of the KV: B's exact state at 40 sits under an approximate one at 56
+    (a request that replayed past 48), and an `exact_first` request matching to 56 resumes from 40.
+    The state at 40 is the one it used, so it is younger than the one at 56 in the state LRU (a
+    branch-point state that every first turn resumes from must not age as if unused)."""
+    h = Harness(1, mamba_size=6, max_reqs=2)
+    b = seq(20_000, 40)
+    h.run(b)                                                           # exact state at 40
+    h.run(b + seq(21_000, 8), {"keep_checkpoints": False})             # KV to 48, no state
+    approx = h.run(b + seq(21_000, 8) + seq(22_000, 8))                # L = 48, 48 - 40 > W = 5
+    assert plan_of(approx).kind is HitKind.APPROXIMATE
+    req = h.admit(b + seq(21_000, 8) + seq(22_000, 8) + seq(23_000, 8), {"exactness": "exact_first"})
+    assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 56, 40, 40)
+    h.finish(req)
+
+    depth_of = {node.id: d for node, d in h.nodes()}
+    lru = h.cache.tree_core.lru_lists[MAMBA]
+    order, node = [], lru.get_lru_no_lock()                            # least recently used first
+    while node is not None:
+        order.append((depth_of[node.id], provenance_of(node) is None))
+        node = lru.get_prev_no_lock(node)
+    assert order == [(56, False), (40, True), (64, True)]
+    h.assert_no_leak()
+
+
 # ---------------------------------------------------------------- shared-state repair
 
 
