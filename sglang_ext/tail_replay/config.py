@@ -80,7 +80,7 @@ class TailReplayConfig:
     #: approximately only where there is none (where stock misses); "exact": reuse only strictly
     #: exact nodes and states (bound 0), recompute the rest (SGLang's semantics: every output
     #: equals a server without cache)
-    exactness: str = "approximate"
+    exactness: str = "exact_first"
     #: a node or state whose bound (tail_replay/provenance.py) is at most this counts as exact
     #: in the "approximate" mode (float noise of the linear state, relative); 0: only bound 0
     exact_threshold: float = 1e-5

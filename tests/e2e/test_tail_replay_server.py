@@ -424,18 +424,18 @@ def test_a_conversation_pays_its_replay_once(servers):
     assert bounds[0] > bounds[1] > bounds[2] > 0
 
 
-def test_exact_first_resumes_from_an_exact_state_the_default_would_replay_past(servers, hf_qwen):
-    """`exactness: "exact_first"`: an exact state far behind the match (stock SGLang's hit) is
-    resumed from and the rest recomputed, so the answer is exact and equals transformers' full
-    prefill; the default mode replays the last W tokens of the same match approximately."""
+def test_exact_first_resumes_from_an_exact_state_the_approximate_mode_would_replay_past(servers, hf_qwen):
+    """`exactness: "exact_first"` (the default): an exact state far behind the match (stock
+    SGLang's hit) is resumed from and the rest recomputed, so the answer is exact and equals
+    transformers' full prefill; `"approximate"` replays the last W tokens of the same match."""
     server = servers["qwen3-next"]
     document = random_prompt(L, seed=120)
     ask(server, document[:128], new_tokens=1)   # its end state, exact, at depth 128
     ask(server, document + random_prompt(5, seed=121), {"keep_checkpoints": False}, new_tokens=1)   # KV to L
-    default = ask(server, document + random_prompt(SUFFIX, seed=122))
-    assert _summary(default)["kind"] == "approximate" and _summary(default)["exact"] is False
+    approx = ask(server, document + random_prompt(SUFFIX, seed=122), {"exactness": "approximate"})
+    assert _summary(approx)["kind"] == "approximate" and _summary(approx)["exact"] is False
     prompt = document + random_prompt(SUFFIX, seed=123)
-    first = ask(server, prompt, {"exactness": "exact_first"})
+    first = ask(server, prompt)   # the server's default
     summary = _summary(first)
     assert summary["kind"] == "exact_checkpoint" and summary["exact"] is True, summary
     assert summary["reused_tokens"] == 128 and summary["replayed_tokens"] == L - 128   # recomputed exactly

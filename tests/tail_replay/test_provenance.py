@@ -131,14 +131,16 @@ def test_exact_mode_never_plans_an_approximation():
 
 
 def test_exact_first_takes_any_exact_checkpoint_and_approximates_only_without_one():
-    first = dataclasses.replace(CFG, exactness="exact_first")
+    first = CFG
+    assert first.exactness == "exact_first" == TailReplayConfig().exactness   # the default
+    approx = dataclasses.replace(CFG, exactness="approximate")
     # an exact state far behind the match (stock SGLang's hit): resumed from, the rest recomputed,
-    # where the default replays the last W tokens approximately
+    # where "approximate" replays the last W tokens approximately
     assert plan_replay(500, 100, 1, first) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 500, 100, 100)
-    assert plan_replay(500, 100, 1, CFG).kind is HitKind.APPROXIMATE
-    # ... and wins over a deeper approximate state (the default resumes from that one)
+    assert plan_replay(500, 100, 1, approx).kind is HitKind.APPROXIMATE
+    # ... and wins over a deeper approximate state ("approximate" resumes from that one)
     assert plan_replay(500, 100, 1, first, (480, 0.3)).kind is HitKind.EXACT_CHECKPOINT
-    assert plan_replay(500, 100, 1, CFG, (480, 0.3)).kind is HitKind.APPROXIMATE_CHECKPOINT
+    assert plan_replay(500, 100, 1, approx, (480, 0.3)).kind is HitKind.APPROXIMATE_CHECKPOINT
     # no exact state on the path (where stock misses): approximate as by default
     assert plan_replay(500, None, 1, first, (480, 0.3)) == ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 500, 480, 480)
     assert plan_replay(500, None, 1, first) == ReplayPlan(HitKind.APPROXIMATE, 500, 450, 450)
