@@ -46,9 +46,10 @@ from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # no
 
 MAMBA = ComponentType.MAMBA
 FULL = ComponentType.FULL
-#: W = max(ceil(0.1 * L), 4); matches shorter than 8 tokens are not reused approximately; the
-#: approximate planner (the default, "exact_first", resumes from any exact state on the path:
-#: tests/tail_replay/test_provenance.py, and the tests here that pass it)
+#: W = max(ceil(0.1 * L), 4); matches shorter than 8 tokens are not reused approximately;
+#: `exactness: "approximate"`, the mode these tests exercise (the default, "exact_first", resumes
+#: from any exact state on the path: tests/tail_replay/test_provenance.py and the tests here that
+#: pass it)
 CONFIG = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8,
                           exactness="approximate")
 PAGE_SIZES = [1, 4]

@@ -22,8 +22,8 @@ from sglang_ext.tail_replay.config import (
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
 
 # W = clamp(ceil(0.1 * L), 16, 1000); matches below 32 tokens are not reused approximately.
-#: the approximate planner (the default, `exactness: "exact_first"`, takes any exact state on the
-#: path: tests/tail_replay/test_provenance.py)
+#: `exactness: "approximate"`, the mode these tests exercise (the default, "exact_first", takes any
+#: exact state on the path: tests/tail_replay/test_provenance.py)
 CFG = TailReplayConfig(budget=0.1, min_replay_tokens=16, max_replay_tokens=1000, min_match_tokens=32,
                        exactness="approximate")
 
