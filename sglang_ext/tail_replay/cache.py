@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import (
     CacheTransferPhase,
     EvictLayer,
+    LRURefreshPhase,
     PrepareLoadBackResult,
     PreparePrefetchResult,
     TreeComponent,
@@ -480,14 +481,12 @@ class TailReplayRadixCache(UnifiedRadixCache):
         Here the match runs to the end of the KV (`create_match_validator` accepts every node), so
         SGLang's touch lands on whatever state sits there, or on none; a state the plan resumes
         from above it (an exact state below a deeper approximate one, a branch-point state) would
-        otherwise age as if unused and go first under state pressure. May mutate: the device state
-        LRU's order (nothing when the state is on the host only)."""
-        if not planned.plan.from_checkpoint:
-            return
-        node = self.tree_core.node_by_id(planned.start_state.node_id)
-        lru = self.tree_core.lru_lists[ComponentType.MAMBA]
-        if node.component_data[ComponentType.MAMBA].value is not None and lru.in_list(node):
-            lru.reset_node_mru(node)
+        otherwise age as if unused and go first under state pressure. SGLang's own touch (the Mamba
+        component's `refresh_lru` at `MATCH_END`) is applied to that state. May mutate: the device
+        state LRU's order (nothing when the state is on the host only)."""
+        if planned.plan.from_checkpoint:
+            node = self.tree_core.node_by_id(planned.start_state.node_id)
+            self.components[ComponentType.MAMBA].refresh_lru(LRURefreshPhase.MATCH_END, node, self.root_node)
 
     def _note_shared_repair(self, record: TailReplayRequest, prov: PathProvenance) -> None:
         """Shared-state repair (tail_replay/repair.py): when the matched path's deepest state does
