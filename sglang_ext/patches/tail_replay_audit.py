@@ -21,8 +21,8 @@ Two seams (SGLang 0.5.23):
   `GenerateReqInput` through `generate_request` in an asyncio task (drained, output dropped):
   `exactness: "exact"`, no state stored, `audit_of` = the rid, one greedy token, at the
   least-favoured priority when the server runs `--enable-priority-scheduling`.
-  A finished output that carries a repair sequence (`REPAIR_KEY` or `SHARED_REPAIR_KEY` in its
-  `cached_tokens_details`, put there by `sglang_ext/patches/tail_replay_meta.py`) has the key removed before SGLang's handler
+  An output that carries a repair sequence (`REPAIR_KEY` in a finished one, or `SHARED_REPAIR_KEY`
+  in a request's first output; put there by `sglang_ext/patches/tail_replay_meta.py`) has the key removed before SGLang's handler
   builds the response, and unless the request was aborted the sequence is sent the same way as
   token ids (`repair_overrides`: exact, `repair_of` = the rid, `repair_kind`, one greedy token, the request's LoRA,
   `extra_key`, `cache_salt` and DP routing), at most `MAX_REPAIRS_IN_FLIGHT` at a time.
@@ -165,9 +165,10 @@ def _audits_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, str, Any]]
 
 
 def _repairs_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, list[int], Any, str]]:
-    """(rid, sequence, request object, repair kind) of each repair a finished request in this output
-    asks for: its answer (`REPAIR_KEY`), a shared state on its path (`SHARED_REPAIR_KEY`); both keys
-    are removed from every entry (a client never sees them)."""
+    """(rid, sequence, request object, repair kind) of each repair a request in this output asks
+    for: a finished request's answer (`REPAIR_KEY`), a shared state on a request's path
+    (`SHARED_REPAIR_KEY`, sent with its first output: the request may still be running); none for
+    an aborted request. Both keys are removed from every entry (a client never sees them)."""
     from sglang_ext.tail_replay import REPAIR_KEY, SHARED_REPAIR_KEY
 
     details = getattr(recv_obj, "cached_tokens_details", None)
@@ -180,10 +181,12 @@ def _repairs_due(recv_obj: Any, rid_to_state: dict) -> list[tuple[str, list[int]
         if not asked:
             continue
         reason = recv_obj.finished_reasons[i] if i < len(recv_obj.finished_reasons) else None
-        if reason is None or (isinstance(reason, dict) and reason.get("type") == "abort"):
+        if isinstance(reason, dict) and reason.get("type") == "abort":
             continue
         state = rid_to_state.get(recv_obj.rids[i])
         for kind, sequence in asked:
+            if reason is None and kind != "shared_state":
+                continue   # an answer is repaired once it has finished; a shared prefix at once
             if state is not None and isinstance(sequence, list) and sequence:
                 due.append((recv_obj.rids[i], sequence, state.obj, kind))
     return due

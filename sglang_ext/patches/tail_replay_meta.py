@@ -7,9 +7,11 @@ Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and 
 gates); requests without a plan (no Tail-Replay match) keep SGLang's details unchanged. A
 finished answer that was not exact, on a server or request with `repair: true`, also carries its
 sequence under `REPAIR_KEY` (`sglang_ext.tail_replay.repair`) for the tokenizer process, which
-removes it and sends the repair run (`sglang_ext/patches/tail_replay_audit.py`); a finished request
-that asked for a shared state's repair (`repair_shared`, the default) carries that state's prefix
-under `SHARED_REPAIR_KEY` the same way.
+removes it and sends the repair run (`sglang_ext/patches/tail_replay_audit.py`); a request that
+asked for a shared state's repair (`repair_shared`, the default) carries that state's prefix under
+`SHARED_REPAIR_KEY` the same way, in its first output (a streamed request's first token; otherwise
+the output SGLang sends at its finish or forced stream interval), so that the repair runs while the
+request decodes.
 
 Each summary is written as `sglang_ext.patches.ipc_json.encode(summary)` (a tagged JSON string: SGLang's IPC
 types the field `Dict[str, Union[int, str]]`), and turned back into an object in the tokenizer
@@ -50,7 +52,7 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(summary)}
             if repair_due(record.config, exact=summary.get("exact", True), finished=req.finished()):
                 details[REPAIR_KEY] = encode(repair_sequence(req.origin_input_ids, req.output_ids))
-            if record.shared_repair is not None and req.finished():
+            if record.shared_repair is not None:   # with the first output: the repair runs while it decodes
                 details[SHARED_REPAIR_KEY] = encode(list(req.origin_input_ids[:record.shared_repair]))
                 record.shared_repair = None
             if req.finished():

@@ -70,9 +70,11 @@ A request's route (SGLang 0.5.23), seam by seam:
    `sglang_ext/patches/tail_replay_audit.py` removes it in the tokenizer process and sends it as an
    exact background run (`repair_overrides`: `repair_of`), whose exact KV and end state replace the
    approximate ones in the tree. Shared-state repair (on unless `repair_shared: false`): at the
-   match (`TailReplayRadixCache._note_shared_repair`, `shared_repair_due`) a request whose path's
-   deepest state is approximate and a branch point asks for it; at its finish the state's prefix
-   goes under `SHARED_REPAIR_KEY` and is sent the same way (`repair_kind: "shared_state"`).
+   match (`TailReplayRadixCache._note_shared_repair`) a request whose approximate plan creates a
+   branch under the extra buffer (`branch_repair_due`), or whose path's deepest state is
+   approximate and a branch point (`shared_repair_due`), asks for an exact state there; with its
+   first output the prefix goes under `SHARED_REPAIR_KEY` and is sent the same way
+   (`repair_kind: "shared_state"`).
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ from sglang_ext.tail_replay.repair import (
     MAX_REPAIRS_IN_FLIGHT,
     REPAIR_KEY,
     SHARED_REPAIR_KEY,
+    branch_repair_due,
     repair_due,
     repair_overrides,
     repair_sequence,
@@ -165,7 +168,7 @@ __all__ = [
     "AuditResult", "Divergence", "PendingAudits", "ServedAnswer", "audit_trigger", "divergence", "log_probs",
     "prompt_key", "reference_overrides",
     "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "SHARED_REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",
-    "shared_repair_due",
+    "shared_repair_due", "branch_repair_due",
     "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
     "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
     *_FROM_CACHE,

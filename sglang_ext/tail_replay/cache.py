@@ -45,7 +45,7 @@ from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, reques
 from sglang_ext.tail_replay.metrics import record_stored_bound
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 from sglang_ext.tail_replay.provenance import CarryBound, NodeProvenance, PathProvenance
-from sglang_ext.tail_replay.repair import SHARED_REPAIR_RESEND_S, shared_repair_due
+from sglang_ext.tail_replay.repair import SHARED_REPAIR_RESEND_S, branch_repair_due, shared_repair_due
 from sglang_ext.tail_replay.request import HostLoad, TailReplayRequest, attach, bounds_of, computed_from, plan_of, record_of
 
 if TYPE_CHECKING:
@@ -455,10 +455,10 @@ class TailReplayRadixCache(UnifiedRadixCache):
         if result.host_hit_length > 0:
             planned = self._plan(record, device_len + result.host_hit_length, result.best_match_node)
             if planned.plan.prefix_len > device_len:
-                self._note_shared_repair(record, planned.prov)
+                self._note_shared_repair(record, planned, len(req.origin_input_ids))
                 return self._apply_host_plan(req, record, result, planned)
         planned = self._plan(record, device_len, result.last_device_node)
-        self._note_shared_repair(record, planned.prov)
+        self._note_shared_repair(record, planned, len(req.origin_input_ids))
         if self._state_on_host(planned):
             return self._apply_host_plan(req, record, result, planned)
         plan, start_state, prov, last_node = planned
@@ -488,36 +488,83 @@ class TailReplayRadixCache(UnifiedRadixCache):
             node = self.tree_core.node_by_id(planned.start_state.node_id)
             self.components[ComponentType.MAMBA].refresh_lru(LRURefreshPhase.MATCH_END, node, self.root_node)
 
-    def _note_shared_repair(self, record: TailReplayRequest, prov: PathProvenance) -> None:
-        """Shared-state repair (tail_replay/repair.py): when the matched path's deepest state does
-        not count as exact and conversations branch from it (the tree branches below its node
-        before any other state, `_branches_below`), the request asks for its
-        repair (`record.shared_repair`, sent when it finishes). The repair run's exact state lands
-        at its end, or under the extra buffer on the checkpoint grid below it (where stock SGLang
-        keeps its branch-point state); once an exact state sits that deep, nothing is asked. Once
-        per state: the node is marked when asked, and asked again only after
+    def _note_shared_repair(self, record: TailReplayRequest, planned: _Planned, prompt_len: int) -> None:
+        """Shared-state repair (tail_replay/repair.py); asks at most once per request (an ask made
+        at an earlier match of the same request, one that waited for room, stands until it is
+        sent with the request's first output, `sglang_ext/patches/tail_replay_meta.py`). Two rules:
+
+        - at the branch (`branch_repair_due`): under the extra buffer (stock SGLang keeps a state
+          where a request branches off the tree), a request whose plan is approximate and whose
+          match ends where the tree goes on and its prompt goes on differently asks for the exact
+          state at the checkpoint-grid depth below its match (`_branch_repair_depth`), where stock
+          SGLang's miss would have kept it, so that the next conversation that branches there
+          resumes exactly, as on stock.
+        - below a shared approximate state (`shared_repair_due`): when the matched path's deepest
+          state does not count as exact and conversations branch from it (the tree branches below
+          its node before any other state, `_branches_below`), the request asks for its repair.
+          The repair run's exact state lands at its end, or under the extra buffer on the
+          checkpoint grid below it.
+
+        Once an exact state sits as deep as a repair's would land, nothing is asked. Once per
+        node: the node the state lands on is marked when asked, and asked again only after
         `SHARED_REPAIR_RESEND_S` (if the repair never landed); a state stored on the node clears
-        the mark (`commit_insert_component_data`: the state asked for was freed, and another one
-        is there now). May mutate: the record's `shared_repair`, the node's mark."""
-        record.shared_repair = None
-        if not prov.states:
+        the mark (`commit_insert_component_data`). May mutate: the record's `shared_repair`, a
+        node's mark, the tree's node boundaries (the node at the branch rule's depth is split
+        off, so that the mark sits where the state will land)."""
+        if record.shared_repair is not None:
             return
-        deepest = prov.states[0]
-        node = self.tree_core.node_by_id(deepest.node_id)
-        if not shared_repair_due(record.config, bound=deepest.bound,
-                                 branches=_branches_below(node, ComponentType.MAMBA)):
-            return
-        # where the repair's state lands: its run's end, on the extra buffer's checkpoint grid
-        grid = self.components[ComponentType.MAMBA].mamba_checkpoint_grid if self.enable_mamba_extra_buffer else 1
-        lands = deepest.depth // grid * grid
-        exact = prov.deepest_exact_state(record.config.exact_threshold, strict=False)
-        if lands == 0 or (exact is not None and exact.depth >= lands):
-            return   # nothing to land, or it has landed: an exact state as deep as a repair's would be
+        depth = self._branch_repair_depth(record, planned, prompt_len)
+        if depth is not None:
+            node = self.tree_core.node_by_id(self._node_at_depth(planned.last_node, depth))
+        else:
+            prov = planned.prov
+            if not prov.states:
+                return
+            deepest = prov.states[0]
+            node = self.tree_core.node_by_id(deepest.node_id)
+            if not shared_repair_due(record.config, bound=deepest.bound,
+                                     branches=_branches_below(node, ComponentType.MAMBA)):
+                return
+            lands = deepest.depth // self._repair_grid() * self._repair_grid()
+            if lands == 0 or self._exact_state_as_deep(record, prov, lands):
+                return   # nothing to land, or it has landed: an exact state as deep as a repair's would be
+            depth = deepest.depth
         now = time.monotonic()
         if now - getattr(node, _SHARED_REPAIR_ATTR, -math.inf) < SHARED_REPAIR_RESEND_S:
             return
         setattr(node, _SHARED_REPAIR_ATTR, now)
-        record.shared_repair = deepest.depth
+        record.shared_repair = depth
+
+    def _repair_grid(self) -> int:
+        """Where a repair run's state lands below its end: the extra buffer's checkpoint grid (its
+        end state without the extra buffer)."""
+        return self.components[ComponentType.MAMBA].mamba_checkpoint_grid if self.enable_mamba_extra_buffer else 1
+
+    @staticmethod
+    def _exact_state_as_deep(record: TailReplayRequest, prov: PathProvenance, depth: int) -> bool:
+        exact = prov.deepest_exact_state(record.config.exact_threshold, strict=False)
+        return exact is not None and exact.depth >= depth
+
+    def _branch_repair_depth(self, record: TailReplayRequest, planned: _Planned, prompt_len: int) -> int | None:
+        """The branch rule of `_note_shared_repair`: the depth of the exact state to ask for (the
+        match's end on the checkpoint grid), or None. Only where the repair run keeps a state there
+        (the extra buffer, on a server that keeps checkpoints). The tree branches at the match's end when the
+        matched path goes on past it (SGLang's match splits the node it ends in, so the last
+        matched node has children) and so does the request's prompt (its match did not stop at the
+        end of what SGLang matches: the prompt but its last token, in whole pages). Reads only."""
+        plan = planned.plan
+        matched = plan.matched_tokens
+        node = self.tree_core.node_by_id(planned.last_node)
+        branches_here = (matched > 0 and bool(node.children)
+                         and matched < (prompt_len - 1) // self.page_size * self.page_size)
+        keeps = self.enable_mamba_extra_buffer and self.tail_replay_config.keep_checkpoints
+        if not branch_repair_due(record.config, approximate=not plan.state_is_exact, branches_here=branches_here,
+                                 keeps_branch_states=keeps):
+            return None
+        depth = matched // self._repair_grid() * self._repair_grid()
+        if depth == 0 or self._exact_state_as_deep(record, planned.prov, depth):
+            return None
+        return depth
 
     def _apply_host_plan(self, req: Any, record: TailReplayRequest, result: MatchResult,
                          planned: _Planned) -> MatchResult:

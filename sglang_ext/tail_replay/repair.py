@@ -19,13 +19,26 @@ conversation's later turns, nor into other clients' hits on the same tokens.
 **Shared-state repair** (`repair_shared: true`, the default). The first conversation to branch
 from a shared prefix that holds no exact state (the end of a system prompt that the other
 conversations continue differently) is served by an approximate replay, and the state it leaves
-at the branch point is approximate. Stock SGLang recomputes that request (a miss) and keeps an
-exact state there, so every later conversation that branches there resumes exactly on stock, and
-approximately here (and so do all their later turns). So when a request's matched path ends its
-states at one that does not count as exact and below which the tree branches before any other
-state (more than one continuation has passed it), the server recomputes that prefix exactly in
-the background, once (a run over the prefix's tokens, `repair_kind: "shared_state"`), and the
-exact state replaces the approximate one (`TailReplayMambaComponent.commit_insert_component_data`).
+at the branch point is approximate. Stock SGLang recomputes that request (a miss) and, under its
+extra buffer, keeps an exact state at the branch point (on its checkpoint grid), so every later
+conversation that branches there resumes exactly on stock, and approximately here (and so do all
+their later turns). So the server recomputes such a prefix exactly in the background, once (a run
+over the prefix's tokens, `repair_kind: "shared_state"`), and the exact state replaces the
+approximate one (`TailReplayMambaComponent.commit_insert_component_data`). Two rules ask for it:
+
+- at the branch (`branch_repair_due`, under the extra buffer only, where stock keeps branch-point
+  states): the request whose approximate plan creates the branch (its match ends inside a path
+  that goes on, and its prompt goes on differently) asks for the exact state at the checkpoint-grid
+  depth below its match, where stock's miss would have kept it. The ask goes to the tokenizer
+  process with the request's first output (a streamed request: right after its prefill; otherwise
+  when it finishes, or at SGLang's forced stream interval), so the repair runs while the request
+  decodes, and the next conversation to branch there resumes exactly, as on stock.
+- below a shared approximate state (`shared_repair_due`, any state strategy): a request whose
+  matched path ends its states at one that does not count as exact and below which the tree
+  branches before any other state (more than one continuation has passed it) asks for that
+  state's repair (without the extra buffer stock keeps no branch-point state, so there this is
+  the only rule: it makes such states exact from the third visit on, which stock never does).
+
 A conversation's own states (a leaf, or a node with one child) are never shared-state repaired:
 only `repair: true` repairs those.
 
@@ -74,6 +87,17 @@ def shared_repair_due(config: TailReplayConfig, *, bound: float, branches: int) 
     shared-state repair."""
     return (config.repair_shared and not config.background and branches >= 2
             and not counts_exact(bound, config.exact_threshold))
+
+
+def branch_repair_due(config: TailReplayConfig, *, approximate: bool, branches_here: bool,
+                      keeps_branch_states: bool) -> bool:
+    """Whether a request with this config, whose plan is `approximate` (it leaves no exact state
+    at its branch point) and whose match ends where the tree branches (`branches_here`: the
+    matched path and the request's prompt both go on, differently), asks at its own match for the
+    exact state at its branch point; only where the server keeps branch-point states as stock
+    SGLang's extra buffer does (`keeps_branch_states`)."""
+    return (config.repair_shared and not config.background and approximate and branches_here
+            and keeps_branch_states)
 
 
 def repair_sequence(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[int]:

@@ -90,8 +90,8 @@ class TailReplayRequest:
     audit: str | None = None
     #: a repair run (tail_replay/repair.py): whether its finish went into the counters
     repair_counted: bool = False
-    #: shared-state repair (tail_replay/repair.py): the depth of the shared state on the matched
-    #: path this request asks to repair once it finishes (set at every match), else None
+    #: shared-state repair (tail_replay/repair.py): the prefix length whose exact state this
+    #: request asks for (set at a match, at most once; sent with its first output, then None)
     shared_repair: int | None = None
     #: HiCache: the plan's prefix reaches into KV held on the host tier, which SGLang's load-back
     #: brings to the device at admission (`TailReplayRadixCache.init_load_back`); set at every match

@@ -30,7 +30,9 @@ import requests
 
 from eval.harness import ServerProcess, start_servers, stop_servers
 from eval.reference import greedy_reference, load_reference_model
-from tests.e2e.serving import LOGPROB_ATOL, OverlapServer, assert_matches_reference, random_prompt
+from eval.replay.servers import stream_generate
+from sglang_ext.tail_replay import SHARED_REPAIR_KEY
+from tests.e2e.serving import LOGPROB_ATOL, OverlapServer, assert_matches_reference, metric_total, random_prompt
 
 DOC, QUESTION, NEW = 240, 10, 12
 DOCS, QUESTIONS = 3, 3                  # 9 concurrent clients over 3 shared documents
@@ -158,6 +160,44 @@ def test_prefill_tracked_checkpoint_is_exact(servers, references):
     assert details(result) == {"kind": "exact_checkpoint", "matched_tokens": 192,
                                "reused_tokens": 192, "replayed_tokens": 0, "exact": True, "bound": 0.0}
     assert_matches_reference(result, references("nemotron-h", question))
+
+
+SHARED_REPAIRS = ("sglang_ext:tail_replay_repairs_total", 'kind="shared_state"')
+
+
+def _shared_repairs(server) -> float:
+    return metric_total(requests.get(f"{server.url}/metrics", timeout=30).text, *SHARED_REPAIRS)
+
+
+def test_the_first_branch_off_a_shared_prefix_gets_stocks_branch_state_exact(servers, references):
+    """Stock SGLang's extra buffer keeps an exact state where a request branches off the tree (on
+    the checkpoint grid below its match: 192 of a 240-token document), computed during that
+    request's miss. Here the branching request is served by an approximate replay (the path holds
+    no exact state: the document's first request kept none) and asks, at its own match, for that
+    state's exact recomputation; the ask leaves with its first streamed token, the server runs
+    it in the background, once, and the next request that branches there resumes exactly from
+    192, as on stock, with outputs equal to a full prefill."""
+    server = servers["checkpoints"]
+    document = random_prompt(DOC, seed=70)
+    questions = [random_prompt(QUESTION, seed=71 + i) for i in range(3)]
+    assert len({q[0] for q in questions}) == 3                 # each branches off at the document's end
+    before = _shared_repairs(server)
+    ask(server, document + questions[0], {"keep_checkpoints": False})   # the document's KV, no state
+    branching = stream_generate(server.url, document + questions[1], 24)
+    assert branching.ok, branching.error
+    summary = branching.meta_info["cached_tokens_details"]["tail_replay"]
+    assert summary["kind"] == "approximate" and summary["matched_tokens"] == DOC and summary["exact"] is False
+    assert SHARED_REPAIR_KEY not in branching.meta_info["cached_tokens_details"]
+    deadline = time.monotonic() + 60
+    while _shared_repairs(server) < before + 1:
+        assert time.monotonic() < deadline, "the branch point's repair did not finish within 60 s"
+        time.sleep(0.2)
+    third_ids = document + questions[2]
+    third = ask(server, third_ids)
+    assert details(third) == {"kind": "exact_checkpoint", "matched_tokens": DOC, "reused_tokens": 192,
+                              "replayed_tokens": DOC - 192, "exact": True, "bound": 0.0}
+    assert_matches_reference(third, references("nemotron-h", third_ids))
+    assert _shared_repairs(server) == before + 1               # once: the third found the exact state
 
 
 @pytest.mark.parametrize("name", SERVERS)

@@ -20,6 +20,7 @@ from sglang_ext.tail_replay.config import (
 from sglang_ext.tail_replay.repair import (
     REPAIR_KEY,
     SHARED_REPAIR_KEY,
+    branch_repair_due,
     repair_due,
     repair_overrides,
     repair_sequence,
@@ -99,7 +100,38 @@ def test_tokenizer_side_sends_a_shared_state_repair_beside_an_answers():
     assert details == [{"device": 1}, {}]   # the keys never reach a client, aborted or not
 
 
+def test_tokenizer_side_sends_a_shared_state_repair_with_a_running_requests_first_output():
+    """The branch rule's ask travels with the request's first output (a streamed first token):
+    the shared prefix is sent at once, while the request decodes; an answer's repair is not (it
+    waits for the finish)."""
+    states = {"a": SimpleNamespace(obj="obj-a")}
+    details = [{"device": 1, SHARED_REPAIR_KEY: [1, 2, 3], REPAIR_KEY: [9]}]
+    due = tail_replay_audit._repairs_due(_output(details, [None], ["a"]), states)
+    assert due == [("a", [1, 2, 3], "obj-a", "shared_state")]
+    assert details == [{"device": 1}]
+
+
 # ---------------------------------------------------------------- shared-state repair
+
+KEEPS = {"approximate": True, "branches_here": True, "keeps_branch_states": True}
+
+
+def test_the_request_that_creates_a_branch_asks_at_its_own_match_under_the_extra_buffer():
+    assert branch_repair_due(DEFAULTS, **KEEPS)
+
+
+@pytest.mark.parametrize("off", ["approximate", "branches_here", "keeps_branch_states"])
+def test_the_branch_rule_needs_an_approximate_plan_a_branch_and_stocks_branch_states(off):
+    """An exact plan keeps its own branch-point state (as stock's miss does); a match that ends at
+    a leaf's end (a conversation's own next turn) or where the prompt ends creates no branch;
+    without the extra buffer stock keeps no branch-point state, so nothing is asked at the branch."""
+    assert not branch_repair_due(DEFAULTS, **{**KEEPS, off: False})
+
+
+@pytest.mark.parametrize("overrides", [{"repair_shared": False}, {"repair_of": "r1"}, {"audit_of": "r1"}])
+def test_the_branch_rule_is_off_with_shared_repair_and_for_background_runs(overrides):
+    assert not branch_repair_due(with_overrides(DEFAULTS, overrides), **KEEPS)
+
 
 def test_shared_state_repair_is_on_by_default_for_an_approximate_state_conversations_branch_from():
     assert DEFAULTS.repair_shared is True
