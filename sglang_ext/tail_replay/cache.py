@@ -59,6 +59,15 @@ PROVENANCE_ATTR = "sglang_ext_provenance"
 #: the attribute of a tree node whose state's shared-state repair was asked for: when (monotonic s;
 #: removed when the node takes another state)
 _SHARED_REPAIR_ATTR = "sglang_ext_shared_repair_at"
+#: the attribute of a tree node whose tokens from this offset on are the generated answer of the
+#: request that inserted it (absent: prompt tokens only, or inserted without a request)
+_ANSWER_FROM_ATTR = "sglang_ext_answer_from"
+
+
+def answer_from(node: Any) -> int | None:
+    """Where, within a tree node's tokens, the inserting request's generated answer begins (None:
+    none of them is one)."""
+    return getattr(node, _ANSWER_FROM_ATTR, None)
 
 
 def provenance_of(node: Any) -> NodeProvenance | None:
@@ -153,13 +162,17 @@ class TailReplayMambaComponent(MambaComponent):
         return token_ids_len
 
     def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
-        """The new leaf's KV gets the inserting request's bounds at its positions; a state the
-        tree takes gets the request's bound at its depth. An existing state of a larger bound is
-        replaced by the request's (unless locked). May mutate: the node's provenance and state, its
+        """The new leaf's KV gets the inserting request's bounds at its positions, and a mark where
+        the request's generated answer begins in it (`answer_from`); a state the tree takes gets
+        the request's bound at its depth. An existing state of a larger bound is replaced by the
+        request's (unless locked). May mutate: the node's provenance, answer mark and state, its
         shared-state repair mark (cleared when it takes a state)."""
         record = self.cache.inserting_record()
         depth = result.prefix_len + (len(node.key) if is_new_leaf else 0)
         if is_new_leaf:
+            prompt_len = self.cache.inserting_prompt_len()
+            if prompt_len is not None and prompt_len < depth:
+                setattr(node, _ANSWER_FROM_ATTR, max(prompt_len - result.prefix_len, 0))
             kv = bounds_of(record, result.prefix_len, depth)
             _set_provenance(node, NodeProvenance(kv, 0.0))
             record_stored_bound("kv", float(kv.max()) if kv.numel() else 0.0)
@@ -187,13 +200,21 @@ class TailReplayMambaComponent(MambaComponent):
         record_stored_bound("state", state_bound)
 
     def redistribute_on_node_split(self, new_parent, child):
-        """Each half keeps its own tokens' bounds; the state (at the child's end) its bound."""
+        """Each half keeps its own tokens' bounds and answer mark; the state (at the child's end)
+        its bound."""
         super().redistribute_on_node_split(new_parent, child)
         prov = provenance_of(child)
         if prov is not None:
             head, rest = prov.split(len(new_parent.key))
             _set_provenance(new_parent, head)
             _set_provenance(child, rest)
+        mark = answer_from(child)
+        if mark is not None:
+            if mark < len(new_parent.key):
+                setattr(new_parent, _ANSWER_FROM_ATTR, mark)
+                setattr(child, _ANSWER_FROM_ATTR, 0)
+            else:
+                setattr(child, _ANSWER_FROM_ATTR, mark - len(new_parent.key))
 
     def update_component_on_insert_overlap(self, node, prefix_len, total_prefix_len, value_slice, params,
                                            result, cache_actions):
@@ -359,9 +380,14 @@ class TailReplayRadixCache(UnifiedRadixCache):
     #: the record of the request whose `checkpoint_into_tree` is running (None: an insert without
     #: a request, whose KV counts as exact)
     _inserting: TailReplayRequest | None = None
+    #: the prompt length of the request whose `checkpoint_into_tree` is running (None: no request)
+    _inserting_prompt: int | None = None
 
     def inserting_record(self) -> TailReplayRequest | None:
         return self._inserting
+
+    def inserting_prompt_len(self) -> int | None:
+        return self._inserting_prompt
 
     def _finalize_match_result(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
         if params.req is not None and not self._is_storage_probe(params):
@@ -547,15 +573,19 @@ class TailReplayRadixCache(UnifiedRadixCache):
 
     def _branch_repair_depth(self, record: TailReplayRequest, planned: _Planned, prompt_len: int) -> int | None:
         """The branch rule of `_note_shared_repair`: the depth of the exact state to ask for (the
-        match's end on the checkpoint grid), or None. Only where the repair run keeps a state there
-        (the extra buffer, on a server that keeps checkpoints). The tree branches at the match's end when the
-        matched path goes on past it (SGLang's match splits the node it ends in, so the last
-        matched node has children) and so does the request's prompt (its match did not stop at the
-        end of what SGLang matches: the prompt but its last token, in whole pages). Reads only."""
+        match's end on the checkpoint grid), or None. Only where the repair run keeps a state
+        there (the extra buffer, on a server that keeps checkpoints). The tree branches at the
+        match's end when the matched path goes on past it (SGLang's match splits the node it ends
+        in, so the last matched node has children) and so does the request's prompt (its match did
+        not stop at the end of what SGLang matches: the prompt but its last token, in whole
+        pages), and a path going on past it is another request's prompt (`_continues_a_prompt`):
+        where every path going on is an earlier request's generated answer, the request is that
+        conversation's next turn (or a retry), which branches off its own history, not off a
+        prefix that conversations share (its own states are `repair: true`'s). Reads only."""
         plan = planned.plan
         matched = plan.matched_tokens
         node = self.tree_core.node_by_id(planned.last_node)
-        branches_here = (matched > 0 and bool(node.children)
+        branches_here = (matched > 0 and _continues_a_prompt(node)
                          and matched < (prompt_len - 1) // self.page_size * self.page_size)
         keeps = self.enable_mamba_extra_buffer and self.tail_replay_config.keep_checkpoints
         if not branch_repair_due(record.config, approximate=not plan.state_is_exact, branches_here=branches_here,
@@ -635,12 +665,12 @@ class TailReplayRadixCache(UnifiedRadixCache):
     # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py); the
     # insert reads the request's record for the provenance of what it inserts
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        self._inserting = record_of(req)
+        self._inserting, self._inserting_prompt = record_of(req), len(req.origin_input_ids)
         try:
             with own_tail.claiming(self, req):
                 super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
         finally:
-            self._inserting = None
+            self._inserting, self._inserting_prompt = None, None
 
     def insert(self, params):
         return own_tail.insert(self, params, super().insert)
@@ -683,6 +713,12 @@ def _continues_to_a_state(node: Any, component_type: Any) -> bool:
         if node.component_data[component_type].value is not None:
             return True
     return False
+
+
+def _continues_a_prompt(node: Any) -> bool:
+    """Whether a path going on below `node` (which ends where a match ended) goes on with prompt
+    tokens: some child's first token is not a generated answer's (`answer_from` is not 0)."""
+    return any(answer_from(child) != 0 for child in node.children.values())
 
 
 def _branches_below(node: Any, component_type: Any) -> int:

@@ -176,12 +176,18 @@ def test_the_first_branch_off_a_shared_prefix_gets_stocks_branch_state_exact(ser
     no exact state: the document's first request kept none) and asks, at its own match, for that
     state's exact recomputation; the ask leaves with its first streamed token, the server runs
     it in the background, once, and the next request that branches there resumes exactly from
-    192, as on stock, with outputs equal to a full prefill."""
+    192, as on stock, with outputs equal to a full prefill. A conversation's next turn that
+    branches where its previous answer begins (its own history, not a shared prefix) asks for
+    nothing, though its plan is approximate too."""
     server = servers["checkpoints"]
     document = random_prompt(DOC, seed=70)
     questions = [random_prompt(QUESTION, seed=71 + i) for i in range(3)]
     assert len({q[0] for q in questions}) == 3                 # each branches off at the document's end
     before = _shared_repairs(server)
+    own = random_prompt(DOC + QUESTION, seed=80)
+    answer = ask(server, own, {"keep_checkpoints": False})["output_ids"]
+    next_turn = own + [t for t in random_prompt(QUESTION, seed=81) if t != answer[0]]
+    assert details(ask(server, next_turn))["kind"] == "approximate"   # branches where the answer began
     ask(server, document + questions[0], {"keep_checkpoints": False})   # the document's KV, no state
     branching = stream_generate(server.url, document + questions[1], 24)
     assert branching.ok, branching.error
@@ -197,7 +203,7 @@ def test_the_first_branch_off_a_shared_prefix_gets_stocks_branch_state_exact(ser
     assert details(third) == {"kind": "exact_checkpoint", "matched_tokens": DOC, "reused_tokens": 192,
                               "replayed_tokens": DOC - 192, "exact": True, "bound": 0.0}
     assert_matches_reference(third, references("nemotron-h", third_ids))
-    assert _shared_repairs(server) == before + 1               # once: the third found the exact state
+    assert _shared_repairs(server) == before + 1   # once: the third found the exact state; the next turn asked none
 
 
 @pytest.mark.parametrize("name", SERVERS)

@@ -36,6 +36,8 @@ from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E40
 from sglang_ext.tail_replay.cache import (  # noqa: E402
     TailReplayMambaComponent,
     TailReplayRadixCache,
+    _continues_a_prompt,
+    answer_from,
     provenance_of,
 )
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
@@ -577,6 +579,32 @@ def test_an_approximate_state_conversations_branch_from_asks_for_its_repair_once
     after = h.run(base + seq(36_000, 8))
     assert plan_of(after).kind is HitKind.EXACT_CHECKPOINT and plan_of(after).prefix_len == 48
     assert record_of(after).shared_repair is None
+    h.assert_no_leak()
+
+
+def test_the_tree_knows_where_an_answer_begins_through_splits_and_which_matches_end_in_a_prompt():
+    """A finished request's leaf is marked where its generated answer begins (the prompt's 40
+    tokens, then its 6 output tokens: this harness computes every output token's KV); splits
+    keep the mark with the tokens. A request whose match ends inside that prompt branches off a
+    prompt (a prefix two prompts share: the shared-state repair's branch rule may ask); the
+    conversation's next turn, whose match ends where the answer begins, does not."""
+    h = Harness(1)
+    a = seq(30_000, 40)
+    h.run(a, output=seq(90_000, 6))
+    depth_of = lambda d: next(n for n, depth in h.nodes() if depth == d)   # noqa: E731
+    assert answer_from(depth_of(46)) == 40
+    inside = h.admit(a[:30] + seq(31_000, 10))           # its match ends at 30, inside the prompt
+    assert plan_of(inside).matched_tokens == 30
+    assert answer_from(depth_of(30)) is None and answer_from(depth_of(46)) == 10
+    assert _continues_a_prompt(depth_of(30))
+    h.finish(inside)
+    next_turn = h.admit(a + seq(32_000, 8))              # the same conversation: prompt + a new turn
+    assert plan_of(next_turn).matched_tokens == 40
+    assert answer_from(depth_of(40)) is None and answer_from(depth_of(46)) == 0
+    assert not _continues_a_prompt(depth_of(40))
+    h.finish(next_turn, output=seq(91_000, 3))
+    assert answer_from(depth_of(51)) == 8                # its own answer, after its 48-token prompt
+    assert _continues_a_prompt(depth_of(40))             # a prompt goes on there now (the new turn's)
     h.assert_no_leak()
 
 
