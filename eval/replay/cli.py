@@ -253,6 +253,7 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
                                    typed=args.typed, session_ids=args.session_ids)
     other_during = window.stop()
     worker_tokens = [_prompt_tokens_served(u) for u in _worker_urls(server)] if isinstance(server, ClusterProcess) else None
+    background = background_runs([requests.get(f"{u}/metrics", timeout=60).text for u in _worker_urls(server)])
     busy = max(load.other_cpu_percent, other_during) > args.max_other_cpu
     withheld = None
     if busy and not args.allow_busy:
@@ -268,7 +269,7 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
               "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
               "launch_args": spec.launch_args(_common_args(args)),
               "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
-              "worker_prompt_tokens": worker_tokens}
+              "worker_prompt_tokens": worker_tokens, "background_runs": background}
     row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
     slug = _slug(spec.label, i)
     with open(args.out / f"requests-{slug}.jsonl", "w") as handle:
@@ -309,6 +310,18 @@ class ClusterProcess:
 
 
 _PROMPT_TOKENS = re.compile(r"^sglang:prompt_tokens_total\{[^}]*\} (\S+)$", re.M)
+_REPAIRS = re.compile(r'^sglang_ext:tail_replay_repairs_total\{[^}]*kind="([^"]+)"[^}]*\} (\S+)$', re.M)
+
+
+def background_runs(metrics_texts: list[str]) -> dict[str, int]:
+    """Exact repair runs the servers sent themselves and finished by now, by kind, summed over
+    workers (`sglang_ext:tail_replay_repairs_total`; none on stock SGLang): work beside the
+    replayed traffic that its TTFTs pay for."""
+    runs: dict[str, int] = {}
+    for text in metrics_texts:
+        for kind, value in _REPAIRS.findall(text):
+            runs[f"repair {kind}"] = runs.get(f"repair {kind}", 0) + int(float(value))
+    return {k: v for k, v in sorted(runs.items()) if v}
 
 
 def _prompt_tokens_served(url: str) -> int:

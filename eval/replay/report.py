@@ -121,6 +121,12 @@ def _kinds(kinds: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in kinds.items())
 
 
+def _background(row: dict) -> str:
+    """The server's own background runs (exact repairs), after its hit kinds."""
+    runs = row.get("background_runs") or {}
+    return "; background: " + _kinds(runs) if runs else ""
+
+
 def markdown_table(rows: Sequence[dict]) -> str:
     lines = ["| server | requests | errors | prompt tokens | reused tokens | of ideal | LRU bound (of ideal) "
              "| hit kinds | exact / approximate | replayed tokens | TTFT mean / p50 / p95 s | wall s "
@@ -139,7 +145,7 @@ def markdown_table(rows: Sequence[dict]) -> str:
         lines.append(
             f"| {r['server']} | {r['requests']} | {r['errors']} | {r['prompt_tokens']:,} | "
             f"{r['reused_tokens']:,} | {_pct(r['reuse_of_ideal'])} | {r['lru_bound_tokens']:,} "
-            f"({_pct(r['lru_bound_of_ideal'])}) | {_kinds(r['hit_kinds'])} | "
+            f"({_pct(r['lru_bound_of_ideal'])}) | {_kinds(r['hit_kinds'])}{_background(r)} | "
             f"{r['exact_split']['exact']} / {r['exact_split']['approximate']} | {replayed} | {ttft} | {wall} | "
             f"{load.get('other_cpu_percent', '-')} / {r.get('other_cpu_percent_during', '-')} | {_threads(r)} |")
     return "\n".join(lines)

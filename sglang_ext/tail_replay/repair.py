@@ -27,9 +27,12 @@ over the prefix's tokens, `repair_kind: "shared_state"`), and the exact state re
 approximate one (`TailReplayMambaComponent.commit_insert_component_data`). Two rules ask for it:
 
 - at the branch (`branch_repair_due`, under the extra buffer only, where stock keeps branch-point
-  states): the request whose approximate plan creates the branch (its match ends inside a path
-  that goes on, and its prompt goes on differently) asks for the exact state at the checkpoint-grid
-  depth below its match, where stock's miss would have kept it. The ask goes to the tokenizer
+  states): the request whose approximate plan creates the branch (its match ends where another
+  request's prompt goes on, and its own prompt goes on differently) asks for the exact state at
+  the checkpoint-grid depth below its match, where stock's miss would have kept it. Where every
+  path going on is an earlier request's generated answer (the tree marks where each answer
+  begins), the request is that conversation's next turn, not a second conversation on a shared
+  prefix, and nothing is asked. The ask goes to the tokenizer
   process with the request's first output (a streamed request: right after its prefill; otherwise
   when it finishes, or at SGLang's forced stream interval), so the repair runs while the request
   decodes, and the next conversation to branch there resumes exactly, as on stock.
@@ -92,8 +95,8 @@ def shared_repair_due(config: TailReplayConfig, *, bound: float, branches: int) 
 def branch_repair_due(config: TailReplayConfig, *, approximate: bool, branches_here: bool,
                       keeps_branch_states: bool) -> bool:
     """Whether a request with this config, whose plan is `approximate` (it leaves no exact state
-    at its branch point) and whose match ends where the tree branches (`branches_here`: the
-    matched path and the request's prompt both go on, differently), asks at its own match for the
+    at its branch point) and whose match ends where the tree branches off a prompt
+    (`branches_here`: another request's prompt and this one's both go on, differently), asks at its own match for the
     exact state at its branch point; only where the server keeps branch-point states as stock
     SGLang's extra buffer does (`keeps_branch_states`)."""
     return (config.repair_shared and not config.background and approximate and branches_here

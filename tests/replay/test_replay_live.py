@@ -69,7 +69,9 @@ def test_live_replay_stock_vs_tail_replay(tmp_path, tiny_model_factory):
         assert set(row["machine_load"]) >= {"loadavg_1m", "cpu_count", "other_cpu_percent", "omp_num_threads",
                                             "torch_threads", "sampled_at"}
         assert row["server_threads"] > 0
+    assert rows["stock"]["background_runs"] == {}        # read from /metrics: stock sends none
     tr = rows["tail_replay"]
+    assert set(tr["background_runs"]) <= {"repair shared_state", "repair answer"}
     assert tr["reused_tokens"] > 0 and tr["reused_tokens"] >= rows["stock"]["reused_tokens"]
     assert tr["replayed_tokens"] is not None and rows["stock"]["replayed_tokens"] is None
     assert set(tr["hit_kinds"]) <= {"miss", "approximate", "exact_checkpoint", "exact_replay"}

@@ -59,6 +59,17 @@ def _rec(cached, kind=None, ok=True, ttft=0.1):
             "tail_replay": tr, "ttft_s": ttft if ok else None, "latency_s": ttft}
 
 
+def test_background_runs_are_read_from_the_servers_metrics_by_kind():
+    from eval.replay.cli import background_runs
+
+    texts = ['sglang_ext:tail_replay_repairs_total{kind="shared_state",model_name="m"} 2.0\n'
+             'sglang_ext:tail_replay_repairs_total{kind="answer",model_name="m"} 0.0\n',
+             'sglang_ext:tail_replay_repairs_total{kind="shared_state",model_name="m"} 1.0\n'
+             'sglang:prompt_tokens_total{model_name="m"} 5.0\n']
+    assert background_runs(texts) == {"repair shared_state": 3}
+    assert background_runs(['sglang:prompt_tokens_total{model_name="m"} 5.0\n']) == {}
+
+
 def test_summary_counts_and_busy_labels():
     records = [_rec(0, "miss", ttft=0.1), _rec(60, "approximate", ttft=0.2), _rec(0, ok=False),
                _rec(30, "exact_checkpoint", ttft=0.3)]
@@ -72,7 +83,10 @@ def test_summary_counts_and_busy_labels():
     assert row["hit_kinds"] == {"approximate": 1, "error": 1, "exact_checkpoint": 1, "miss": 1}
     assert (row["matched_tokens"], row["replayed_tokens"]) == (102, 12)
     assert row["ttft_s"]["mean"] == pytest.approx(0.2) and row["ttft_s"]["p50"] == pytest.approx(0.2)
-    assert "(busy)" in markdown_table([row])
+    assert "(busy)" in markdown_table([row]) and "background" not in markdown_table([row])
+    repaired = summarize("tr", records, 120, 100, {**timing, "background_runs": {"repair shared_state": 2}})
+    assert "| approximate 1, error 1, exact_checkpoint 1, miss 1; background: repair shared_state 2 |" \
+        in markdown_table([repaired])
 
     withheld = summarize("tr", records, 120, 100, {**timing, "timings_withheld": "machine busy"})
     assert withheld["ttft_s"] is None and withheld["wall_s"] is None
