@@ -249,6 +249,13 @@ class LinearKVRadixCache(TailReplayRadixCache):
     #: chunk token ids -> {Mamba-2 layer id: decay [heads] fp32}, set by `keep_transition`
     transitions: OrderedDict | None = None
 
+    def _branch_repair_depth(self, record: Any, planned: Any, prompt_len: int) -> int | None:
+        """Tail-Replay's shared-state repair at the branch is not used here: a LinearKV tree's
+        branches are chunk registrations and their continuations, not prompts that share a
+        prefix, and its background runs would compete with the chunk traffic for state slots
+        (the lazy rule below a shared approximate state still runs). Reads nothing."""
+        return None
+
     # ---- chunk transitions (compose) -----------------------------------------------------------
     def keep_transition(self, req: Any) -> None:
         """At a registration's end: its summed log-decay per Mamba-2 layer -> the chunk's decays,
