@@ -551,7 +551,8 @@ class TailReplayRadixCache(UnifiedRadixCache):
             if not shared_repair_due(record.config, bound=deepest.bound,
                                      branches=_branches_below(node, ComponentType.MAMBA)):
                 return
-            lands = deepest.depth // self._repair_grid() * self._repair_grid()
+            grid = self._repair_grid()
+            lands = deepest.depth // grid * grid
             if lands == 0 or self._exact_state_as_deep(record, prov, lands):
                 return   # nothing to land, or it has landed: an exact state as deep as a repair's would be
             depth = deepest.depth
@@ -583,15 +584,16 @@ class TailReplayRadixCache(UnifiedRadixCache):
         conversation's next turn (or a retry), which branches off its own history, not off a
         prefix that conversations share (its own states are `repair: true`'s). Reads only."""
         plan = planned.plan
-        matched = plan.matched_tokens
-        node = self.tree_core.node_by_id(planned.last_node)
-        branches_here = (matched > 0 and _continues_a_prompt(node)
-                         and matched < (prompt_len - 1) // self.page_size * self.page_size)
+        matched, approximate = plan.matched_tokens, not plan.state_is_exact
+        # the children are scanned last, and only for an approximate plan (this runs at every match)
+        branches_here = (approximate and 0 < matched < (prompt_len - 1) // self.page_size * self.page_size
+                         and _continues_a_prompt(self.tree_core.node_by_id(planned.last_node)))
         keeps = self.enable_mamba_extra_buffer and self.tail_replay_config.keep_checkpoints
-        if not branch_repair_due(record.config, approximate=not plan.state_is_exact, branches_here=branches_here,
+        if not branch_repair_due(record.config, approximate=approximate, branches_here=branches_here,
                                  keeps_branch_states=keeps):
             return None
-        depth = matched // self._repair_grid() * self._repair_grid()
+        grid = self._repair_grid()
+        depth = matched // grid * grid
         if depth == 0 or self._exact_state_as_deep(record, planned.prov, depth):
             return None
         return depth
