@@ -123,18 +123,46 @@ class TailReplayMambaComponent(MambaComponent):
         of the KV match (on the checkpoint grid) when no state sits that deep, so the next request
         that branches there resumes from a state, as on stock SGLang (whose match ends at the
         deepest state; here it runs as deep as the KV). The state is stored with the request's
-        bound there (exact, or approximate)."""
+        bound there (exact, or approximate).
+
+        The match counts only as deep as KV stock SGLang would still hold (`_kept_by_stock`):
+        a branch-point state is tracked in place of the request's own deepest state, and the
+        request's insert then stops there (the extra buffer inserts up to the tracked state).
+        Where the match runs into KV whose state was freed and below which no state is left
+        (stock drops such a path with its last state; here state pressure keeps the KV), the
+        request is not branching off anything: it tracks, and inserts, as deep as its own
+        prompt, as on stock."""
         if params.req is not None and record_for(self.config, params.req).config.repair_kind == "shared_state":
             return result._replace(mamba_branching_seqlen=None)   # the run keeps its end state only
-        aligned = result.full_kv_hit_length // self.mamba_checkpoint_grid * self.mamba_checkpoint_grid
         node, depth, state_depth = result.last_device_node, result.device_prefix_len, 0   # a node here, not an id
+        kv_depth = result.full_kv_hit_length if result.host_hit_length else None
+        below = None
         while node is not None and node is not self.tree_core.root_node:
+            if kv_depth is None and self._kept_by_stock(node, below):
+                kv_depth = depth + (result.full_kv_hit_length - result.device_prefix_len)
             if node.component_data[self.component_type].value is not None:
                 state_depth = depth
                 break
+            below = node
             depth -= len(node.key)
             node = node.parent
+        kv_depth = depth if kv_depth is None else kv_depth
+        aligned = kv_depth // self.mamba_checkpoint_grid * self.mamba_checkpoint_grid
         return result._replace(mamba_branching_seqlen=aligned if aligned > state_depth else None)
+
+    def _kept_by_stock(self, node: Any, known_stateless: Any = None) -> bool:
+        """Whether stock SGLang would still hold `node`'s KV: a state (device or host) sits on it
+        or somewhere below it (stock frees a leaf whole with its state, and then the KV-only
+        nodes that become leaves). `known_stateless`: a child already searched. Reads only."""
+        ct = self.component_type
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            data = n.component_data[ct]
+            if data.value is not None or data.host_value is not None:
+                return True
+            stack.extend(c for c in n.children.values() if c is not known_stateless)
+        return False
 
     def finalize_match_result_in_cache(self, params, result):
         plan = plan_of(params.req) if params.req is not None else None

@@ -1,8 +1,10 @@
 """Tail-Replay under SGLang's `extra_buffer` state strategy, in the real patched server.
 
-Two servers, both `--mamba-radix-cache-strategy extra_buffer`, chunked prefill of 64 tokens
-(documents of 240 tokens take several chunks) and a track interval of 64 (a decode of 12
-tokens after a 250-token prompt crosses the boundary at 256, so decode-time tracking runs):
+Two servers, both `--mamba-radix-cache-strategy extra_buffer`, chunked prefill of 64 or 128
+tokens (documents of 240 tokens take several chunks) and a track interval of 64 (a decode of 12
+tokens after a 250-token prompt crosses the boundary at 256, so decode-time tracking runs; with
+128-token chunks a branch point on the 64-token grid can fall inside a chunk, where its track
+takes the place of the chunk's own):
 
 - "no_checkpoints": Qwen3-Next (GDN), the overlap scheduler on (SGLang's GPU default, which the
   CPU launcher turns off; this server runs the launcher with that default removed),
@@ -38,11 +40,12 @@ DOC, QUESTION, NEW = 240, 10, 12
 DOCS, QUESTIONS = 3, 3                  # 9 concurrent clients over 3 shared documents
 BASE = {"min_match_tokens": 16, "min_replay_tokens": 1}
 COMMON = ["--dtype", "float32", "--radix-cache-backend", "tail_replay",
-          "--mamba-radix-cache-strategy", "extra_buffer", "--chunked-prefill-size", "64",
+          "--mamba-radix-cache-strategy", "extra_buffer",
           "--mamba-track-interval", "64", "--mem-fraction-static", "0.3"]
+#: name: (arch, config, state slots, overlap scheduler, chunked prefill size)
 SERVERS = {
-    "no_checkpoints": ("qwen3-next", {**BASE, "budget": 1 / 16, "keep_checkpoints": False}, 6, True),
-    "checkpoints": ("nemotron-h", {**BASE, "budget": 1 / 4}, 12, False),
+    "no_checkpoints": ("qwen3-next", {**BASE, "budget": 1 / 16, "keep_checkpoints": False}, 6, True, 64),
+    "checkpoints": ("nemotron-h", {**BASE, "budget": 1 / 4}, 12, False, 128),
 }
 #: SGLang's pool checks, on (strict: a leak raises in the scheduler)
 CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1"}
@@ -53,9 +56,10 @@ SANITY_METRIC = re.compile(r'^sglang:scheduler_stage_seconds_total\{category="sa
 def servers(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("extra_buffer_logs")
     procs = {}
-    for name, (arch, config, slots, overlap) in SERVERS.items():
+    for name, (arch, config, slots, overlap, chunk) in SERVERS.items():
         cls = OverlapServer if overlap else ServerProcess
-        args = [*COMMON, "--tail-replay-config", json.dumps(config), "--max-mamba-cache-size", str(slots)]
+        args = [*COMMON, "--tail-replay-config", json.dumps(config), "--max-mamba-cache-size", str(slots),
+                "--chunked-prefill-size", str(chunk)]
         procs[name] = cls(str(tiny_model_factory(arch)), args, log_path=logs / f"{name}.log")
     with mock.patch.dict(os.environ, CHECK_ENV):
         start_servers(list(procs.values()))
@@ -204,6 +208,29 @@ def test_the_first_branch_off_a_shared_prefix_gets_stocks_branch_state_exact(ser
                               "replayed_tokens": DOC - 192, "exact": True, "bound": 0.0}
     assert_matches_reference(third, references("nemotron-h", third_ids))
     assert _shared_repairs(server) == before + 1   # once: the third found the exact state; the next turn asked none
+
+
+def test_a_turn_whose_state_was_freed_tracks_and_inserts_its_own_prompt_as_stock(servers, references):
+    """State pressure frees a conversation's state and keeps its KV (stock frees that leaf whole).
+    The next turn matches the KV and finds no state below its match: it branches off nothing, so
+    under the extra buffer it tracks its state at its own prompt's end (256 of 256 tokens, its
+    second 128-token chunk) and inserts that far, as on stock, and the turn after resumes there
+    exactly. (Before: the extra buffer's branch-point track at the old end, 192, inside that
+    chunk, took the place of the chunk's own, the insert stopped there, and the third turn
+    resumed from 192: the agentic replay's requests that reused less than stock.)"""
+    server = servers["checkpoints"]
+    first = random_prompt(200, seed=90)
+    ask(server, first, new_tokens=1)                             # its KV and state up to 192
+    for i in range(14):                                          # 14 newer states through 12 slots
+        ask(server, random_prompt(70, seed=91 + i), new_tokens=1)
+    second_ids = first + random_prompt(56, seed=110)
+    second = ask(server, second_ids, {"exactness": "exact"}, new_tokens=1)
+    assert details(second)["kind"] == "miss" and details(second)["matched_tokens"] == 192   # KV, no state
+    third_ids = second_ids + random_prompt(QUESTION, seed=111)
+    third = ask(server, third_ids)
+    assert details(third) == {"kind": "exact_checkpoint", "matched_tokens": 256, "reused_tokens": 256,
+                              "replayed_tokens": 0, "exact": True, "bound": 0.0}
+    assert_matches_reference(third, references("nemotron-h", third_ids))
 
 
 @pytest.mark.parametrize("name", SERVERS)

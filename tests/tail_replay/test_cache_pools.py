@@ -25,7 +25,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
 from sglang.srt.mem_cache.allocation import ensure_mamba_capacity  # noqa: E402
-from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams  # noqa: E402
 from sglang.srt.mem_cache.common import checkpoint_kv_cache, release_kv_cache  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
 from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
@@ -436,6 +436,33 @@ def test_state_pressure_frees_states_but_keeps_every_branch_kv(page):
     assert h.cache.prefix_device_indices(req).tolist() == seq(1, prefix)
     h.finish(req)
     assert sorted(h.tree_kv())[:8 * 40] == seq(1, 8 * 40)
+    h.assert_no_leak()
+
+
+def test_a_branch_point_is_tracked_only_where_stock_would_still_hold_the_kv():
+    """The extra buffer's branch-point track (`mamba_branching_seqlen`: the match's end on the
+    64-token grid, where no state sits that deep) takes the place of the request's own deepest
+    state, and its insert stops there. A path whose state was freed keeps its KV here (stock frees
+    it with its state): a match running into it branches off nothing unless a state lies below,
+    so only the part of the match stock would still hold counts."""
+    h = Harness(1, mamba_size=6)
+    a = seq(10_000, 100)
+    h.run(a)                                                   # KV and state at 100
+    h.cache.evict(EvictParams(num_tokens=0, mamba_num=1))      # state pressure: the state goes
+    assert h.state_nodes() == {} and len(h.tree_kv()) == 100
+
+    def branching(tokens):
+        req = h.request(tokens)
+        req.init_next_round_input(h.cache)
+        return req.mamba_branching_seqlen
+
+    assert branching(a + seq(20_000, 30)) is None              # its next turn: tracks its own end
+    assert branching(a[:70] + seq(21_000, 30)) is None         # nothing below the match holds a state
+    b = a[:70] + seq(22_000, 40)
+    h.run(b)                                                   # a state below 70 now (b's, at 110)
+    assert h.state_nodes() == {110: h.state_nodes()[110]}
+    assert branching(b[:75] + seq(23_000, 30)) == 64           # branches off b's path
+    assert branching(a[:90] + seq(24_000, 30)) == 64           # stock holds a's path only up to 70
     h.assert_no_leak()
 
 
