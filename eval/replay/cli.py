@@ -33,6 +33,7 @@ from tqdm import tqdm
 from eval.machine import BusyMachineError, CpuWindow, require_quiet, sample_load
 from eval.replay.bound import ideal_curve, lru_curve
 from eval.replay.report import compare_to_baseline, comparison_table, markdown_table, plot, same_outputs, summarize
+from eval.replay.router import RouterCounters, one_decision, prediction_line, prediction_summary
 from eval.replay.servers import ServerSpec, ServerSpecError, flush_cache, parse_server_specs, stream_generate
 from eval.replay.tokens import TOKEN_HI, ScaledRequest, block_tokens, scale_trace
 from eval.trace_sim.loaders import DEFAULT_TRACE_ROOT, KvLoadOptions, load_kv_cache_tester, load_mooncake
@@ -191,19 +192,28 @@ def request_custom_params(req: ScaledRequest) -> dict:
 
 
 def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, concurrency: int,
-                    desc: str, typed: bool = False, session_ids: bool = False) -> tuple[list[dict], float]:
+                    desc: str, typed: bool = False, session_ids: bool = False,
+                    router_metrics: str | None = None) -> tuple[list[dict], float]:
     """Send every request (at most `concurrency` in flight, submitted in order); records in
-    request order and the wall time from the first send to the last answer."""
+    request order and the wall time from the first send to the last answer. `router_metrics`:
+    the router's Prometheus URL; one request at a time, each record gets the router's decision
+    for it (`router`: its predicted match ratio and branch, eval/replay/router.py)."""
+    per_request = router_metrics is not None and concurrency == 1
+
     def one(req: ScaledRequest) -> dict:
+        before = _router_counters(router_metrics) if per_request else None
         resp = stream_generate(url, list(req.tokens), new_tokens,
                                custom_params=request_custom_params(req) if typed else None,
                                session_id=f"conversation-{req.session}" if session_ids and req.session >= 0 else None)
         details = (resp.meta_info.get("cached_tokens_details") or {}) if resp.ok else {}
-        return {"index": req.index, "session": req.session, "prompt_tokens": len(req.tokens),
-                "ok": resp.ok, "error": resp.error,
-                "cached_tokens": int(resp.meta_info.get("cached_tokens") or 0) if resp.ok else 0,
-                "tail_replay": details.get(META_KEY), "ttft_s": resp.ttft_s,
-                "latency_s": resp.latency_s, "output_ids": list(resp.output_ids)}
+        rec = {"index": req.index, "session": req.session, "prompt_tokens": len(req.tokens),
+               "ok": resp.ok, "error": resp.error,
+               "cached_tokens": int(resp.meta_info.get("cached_tokens") or 0) if resp.ok else 0,
+               "tail_replay": details.get(META_KEY), "ttft_s": resp.ttft_s,
+               "latency_s": resp.latency_s, "output_ids": list(resp.output_ids)}
+        if before is not None:
+            rec["router"] = one_decision(_router_counters(router_metrics).since(before))
+        return rec
 
     records: list[dict] = [None] * len(requests)  # type: ignore[list-item]
     bar = tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True)
@@ -248,10 +258,14 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
         _warm_and_flush(worker_url, trace_info["tokens_per_block"], args.seed)
     load = sample_load(exclude_pids=all_pids, seconds=args.load_sample_s)
     threads = sum(_server_threads(pid) for pid in _pids(server))
+    router_metrics = server.router_metrics_url if isinstance(server, ClusterProcess) else None
+    router_before = _router_counters(router_metrics) if router_metrics else None
     window = CpuWindow(all_pids).start()
     records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label,
-                                   typed=args.typed, session_ids=args.session_ids)
+                                   typed=args.typed, session_ids=args.session_ids, router_metrics=router_metrics)
     other_during = window.stop()
+    prediction = (prediction_summary(records, _router_counters(router_metrics).since(router_before))
+                  if router_metrics else None)
     worker_tokens = [_prompt_tokens_served(u) for u in _worker_urls(server)] if isinstance(server, ClusterProcess) else None
     background = background_runs([requests.get(f"{u}/metrics", timeout=60).text for u in _worker_urls(server)])
     busy = max(load.other_cpu_percent, other_during) > args.max_other_cpu
@@ -269,7 +283,8 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
               "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
               "launch_args": spec.launch_args(_common_args(args)),
               "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
-              "worker_prompt_tokens": worker_tokens, "background_runs": background}
+              "worker_prompt_tokens": worker_tokens, "background_runs": background,
+              "router_prediction": prediction}
     row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
     slug = _slug(spec.label, i)
     with open(args.out / f"requests-{slug}.jsonl", "w") as handle:
@@ -294,6 +309,11 @@ class ClusterProcess:
     def worker_urls(self) -> list[str]:
         """The workers' URLs as started (a worker whose port was taken gets a fresh one)."""
         return self.cluster.spec.worker_urls()
+
+    @property
+    def router_metrics_url(self) -> str:
+        """The router's Prometheus endpoint (`sglang-ext cluster` starts it with one)."""
+        return f"http://{self.cluster.spec.host}:{self.cluster.spec.metrics_port}/metrics"
 
     def launch(self) -> ClusterProcess:
         return self
@@ -322,6 +342,12 @@ def background_runs(metrics_texts: list[str]) -> dict[str, int]:
         for kind, value in _REPAIRS.findall(text):
             runs[f"repair {kind}"] = runs.get(f"repair {kind}", 0) + int(float(value))
     return {k: v for k, v in sorted(runs.items()) if v}
+
+
+def _router_counters(url: str) -> RouterCounters:
+    resp = requests.get(url, timeout=60)
+    resp.raise_for_status()
+    return RouterCounters.parse(resp.text)
 
 
 def _prompt_tokens_served(url: str) -> int:
@@ -442,6 +468,8 @@ def _markdown(report: dict) -> str:
             tokens = row["worker_prompt_tokens"]
             lines.append(f"- {row['server']}: prompt tokens per worker (router {row['router_policy']}) "
                          + ", ".join(f"{t:,} ({t / max(sum(tokens), 1):.0%})" for t in tokens))
+        if row.get("router_prediction"):
+            lines.append(prediction_line(row["server"], row["router_prediction"]))
         if row["timings_withheld"]:
             lines.append(f"- {row['server']}: timings withheld, {row['timings_withheld']}")
         elif row["busy"]:
