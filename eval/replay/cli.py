@@ -325,6 +325,14 @@ class ClusterProcess:
     def pids(self) -> list[int]:
         return [p.pid for p in self.cluster.processes()]
 
+    def signal_stop(self) -> None:
+        """`stop_servers`' first step: the cluster stops whole here (router first, then every
+        worker and the store, each its own process group); `finish_stop` has nothing left."""
+        self.cluster.stop()
+
+    def finish_stop(self, grace_s: float = 20.0) -> None:
+        return None
+
     def stop(self) -> None:
         self.cluster.stop()
 

@@ -48,3 +48,17 @@ def test_summary_compares_predicted_and_served_depths():
     assert "4 decisions (spill 2, tree_match 2)" in line and "predicted deeper on 0, shallower on 1" in line
     aggregate = prediction_summary([{**r, "router": None} for r in records], moved)
     assert "per_request" not in aggregate and "per request" not in prediction_line("tr", aggregate)
+
+
+def test_a_cluster_is_stopped_like_the_servers_it_runs_beside():
+    """The replay stops its servers side by side (`stop_servers`: `signal_stop`, then
+    `finish_stop`); a cluster takes the same calls and stops whole on the first."""
+    from unittest import mock
+
+    from eval.harness import stop_servers
+    from eval.replay.cli import ClusterProcess
+
+    proc = ClusterProcess.__new__(ClusterProcess)
+    proc.cluster = mock.Mock()
+    stop_servers([proc])
+    proc.cluster.stop.assert_called_once_with()

@@ -73,7 +73,8 @@ def cluster(tiny_model_factory, tmp_path_factory):
         master = (int(match.group(4)), int(match.group(5)))
         ports += list(master)
         yield {"proc": proc, "url": match.group(1), "policy": match.group(2), "workers": workers,
-               "requested": [f"http://127.0.0.1:{w0}", f"http://127.0.0.1:{w1}"], "logs": logs, "master": master}
+               "requested": [f"http://127.0.0.1:{w0}", f"http://127.0.0.1:{w1}"], "logs": logs, "master": master,
+               "router_metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     finally:
         squatter.close()
         if proc.poll() is None:
@@ -117,6 +118,31 @@ def test_conversations_follow_their_prefix(cluster):
             ids += out["output_ids"] + [rng.randrange(10, 500) for _ in range(STEP)]
     served = [_prompt_tokens(w) for w in cluster["workers"]]
     assert all(s > 0 for s in served), served
+
+
+def test_the_replay_reads_the_routers_prediction_for_each_request(cluster):
+    """One request at a time, the replay reads the router's cache-aware decision around each
+    (eval/replay/router.py): a first prompt the router has never seen is predicted cold, and a
+    conversation's next turn, which the router sends to the worker holding its previous prompt,
+    is predicted to reuse that prompt's share, and is served from the cache."""
+    from eval.replay.cli import replay_requests
+    from eval.replay.router import RouterCounters, prediction_summary
+    from eval.replay.tokens import ScaledRequest
+
+    rng = random.Random(11)
+    first = [rng.randrange(10, 500) for _ in range(240)]
+    second = first + [rng.randrange(10, 500) for _ in range(80)]
+    reqs = [ScaledRequest(i, float(i), 0, 0, tuple(ids)) for i, ids in enumerate((first, second))]
+    before = RouterCounters.parse(requests.get(cluster["router_metrics"], timeout=10).text)
+    records, _ = replay_requests(cluster["url"], reqs, NEW, 1, "router", router_metrics=cluster["router_metrics"])
+    assert all(r["ok"] for r in records), records
+    cold, warm = (r["router"] for r in records)
+    assert cold["branch"] == "expected_wait_fallback" and cold["match_ratio"] < 0.3   # below --cache-threshold
+    assert warm["branch"] == "tree_match" and warm["match_ratio"] >= 0.7   # 240 of 320 tokens seen
+    assert records[1]["cached_tokens"] >= 192
+    after = RouterCounters.parse(requests.get(cluster["router_metrics"], timeout=10).text)
+    summary = prediction_summary(records, after.since(before))
+    assert summary["decisions"] == 2 and summary["per_request"] == 2
 
 
 def _stored_objects(metrics_port: int) -> int:
