@@ -476,7 +476,7 @@ def _markdown(report: dict) -> str:
             tokens = row["worker_prompt_tokens"]
             lines.append(f"- {row['server']}: prompt tokens per worker (router {row['router_policy']}) "
                          + ", ".join(f"{t:,} ({t / max(sum(tokens), 1):.0%})" for t in tokens))
-        if row.get("router_prediction"):
+        if (row.get("router_prediction") or {}).get("decisions"):   # round-robin decides on no tree
             lines.append(prediction_line(row["server"], row["router_prediction"]))
         if row["timings_withheld"]:
             lines.append(f"- {row['server']}: timings withheld, {row['timings_withheld']}")
