@@ -135,20 +135,29 @@ class TailReplayMambaComponent(MambaComponent):
         if params.req is not None and record_for(self.config, params.req).config.repair_kind == "shared_state":
             return result._replace(mamba_branching_seqlen=None)   # the run keeps its end state only
         node, depth, state_depth = result.last_device_node, result.device_prefix_len, 0   # a node here, not an id
-        kv_depth = result.full_kv_hit_length if result.host_hit_length else None
-        below = None
         while node is not None and node is not self.tree_core.root_node:
-            if kv_depth is None and self._kept_by_stock(node, below):
-                kv_depth = depth + (result.full_kv_hit_length - result.device_prefix_len)
             if node.component_data[self.component_type].value is not None:
                 state_depth = depth
                 break
+            depth -= len(node.key)
+            node = node.parent
+        grid = self.mamba_checkpoint_grid
+        aligned = result.full_kv_hit_length // grid * grid
+        if aligned > state_depth and not result.host_hit_length:   # only then can the part stock holds matter
+            aligned = self._depth_kept_by_stock(result) // grid * grid
+        return result._replace(mamba_branching_seqlen=aligned if aligned > state_depth else None)
+
+    def _depth_kept_by_stock(self, result) -> int:
+        """How deep the match runs in KV stock SGLang would still hold: up to the deepest matched
+        node `_kept_by_stock` (the deepest state on the path is one). Reads only."""
+        node, depth, below = result.last_device_node, result.device_prefix_len, None
+        while node is not None and node is not self.tree_core.root_node:
+            if self._kept_by_stock(node, below):
+                return depth + (result.full_kv_hit_length - result.device_prefix_len)
             below = node
             depth -= len(node.key)
             node = node.parent
-        kv_depth = depth if kv_depth is None else kv_depth
-        aligned = kv_depth // self.mamba_checkpoint_grid * self.mamba_checkpoint_grid
-        return result._replace(mamba_branching_seqlen=aligned if aligned > state_depth else None)
+        return depth
 
     def _kept_by_stock(self, node: Any, known_stateless: Any = None) -> bool:
         """Whether stock SGLang would still hold `node`'s KV: a state (device or host) sits on it
