@@ -33,6 +33,7 @@ EVAL = [
     "numpy>=1.26",
     "safetensors>=0.4",
     "tokenizers>=0.20",
+    "py-spy>=0.3",
 ]
 #: `sglang-ext cluster` (SGLang's router)
 SCALE = ["smg>=1.13"]

@@ -32,6 +32,16 @@ from tqdm import tqdm
 
 from eval.machine import BusyMachineError, CpuWindow, require_quiet, sample_load
 from eval.replay.bound import ideal_curve, lru_curve
+from eval.replay.profile import (
+    ProfileError,
+    Sampler,
+    cpu_per_request,
+    process_cpu_seconds,
+    profile_lines,
+    py_spy,
+    scheduler_pid,
+    summarize_profile,
+)
 from eval.replay.report import compare_to_baseline, comparison_table, markdown_table, plot, same_outputs, summarize
 from eval.replay.router import RouterCounters, one_decision, prediction_line, prediction_summary
 from eval.replay.servers import ServerSpec, ServerSpecError, flush_cache, parse_server_specs, stream_generate
@@ -114,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-other-cpu", type=float, default=25.0,
                    help="busy threshold: %% of all CPUs used by other processes")
     p.add_argument("--load-sample-s", type=float, default=2.0, help="seconds of each machine-load sample")
+    p.add_argument("--profile", action="store_true",
+                   help="sample each server's scheduler with py-spy during its replay: scheduler time per "
+                        "request in and outside the forward, the functions that take it, and the differences "
+                        "from --baseline (eval/replay/profile.py); raw stacks as pyspy-<server>.txt")
     return p
 
 
@@ -260,10 +274,19 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     threads = sum(_server_threads(pid) for pid in _pids(server))
     router_metrics = server.router_metrics_url if isinstance(server, ClusterProcess) else None
     router_before = _router_counters(router_metrics) if router_metrics else None
-    window = CpuWindow(all_pids).start()
-    records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label,
-                                   typed=args.typed, session_ids=args.session_ids, router_metrics=router_metrics)
-    other_during = window.stop()
+    sampler = (Sampler(scheduler_pid(server.proc.pid), args.out / f"pyspy-{_slug(spec.label, i)}.txt").start()
+               if getattr(args, "profile", False) else None)
+    single = not isinstance(server, ClusterProcess)
+    cpu_before = process_cpu_seconds(server.proc.pid) if single else None
+    window = CpuWindow(all_pids + ([sampler.proc.pid] if sampler else [])).start()
+    try:
+        records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label,
+                                       typed=args.typed, session_ids=args.session_ids, router_metrics=router_metrics)
+        other_during = window.stop()   # while py-spy still runs: its CPU is counted as ours, not as other load
+        process_cpu = cpu_per_request(cpu_before, process_cpu_seconds(server.proc.pid), len(scaled)) if single else None
+    finally:
+        if sampler is not None:
+            sampler.stop()
     prediction = (prediction_summary(records, _router_counters(router_metrics).since(router_before))
                   if router_metrics else None)
     worker_tokens = [_prompt_tokens_served(u) for u in _worker_urls(server)] if isinstance(server, ClusterProcess) else None
@@ -284,8 +307,10 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
               "launch_args": spec.launch_args(_common_args(args)),
               "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
               "worker_prompt_tokens": worker_tokens, "background_runs": background,
-              "router_prediction": prediction}
+              "router_prediction": prediction, "process_cpu_ms_per_request": process_cpu}
     row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
+    if sampler is not None:
+        row["profile"] = summarize_profile(sampler.raw, len(records), sampler.rate)
     slug = _slug(spec.label, i)
     with open(args.out / f"requests-{slug}.jsonl", "w") as handle:
         for rec in records:
@@ -390,6 +415,13 @@ def run(args) -> dict:
     if args.skip_sessions < 0:
         raise ReplayError(f"--skip-sessions must be >= 0, got {args.skip_sessions}")
     specs = parse_server_specs(args.servers)
+    if getattr(args, "profile", False):
+        if args.workers > 1:
+            raise ReplayError("--profile samples one server's scheduler; it does not combine with --workers > 1")
+        try:
+            py_spy()
+        except ProfileError as err:
+            raise ReplayError(str(err)) from None
     args.out.mkdir(parents=True, exist_ok=True)
     start_load = sample_load(seconds=args.load_sample_s)
     require_quiet(start_load, args.allow_busy, args.max_other_cpu)
@@ -484,6 +516,7 @@ def _markdown(report: dict) -> str:
             lines.append(f"- {row['server']}: timed on a busy machine (--allow-busy): other processes "
                          f"{row['machine_load']['other_cpu_percent']}% before, "
                          f"{row['other_cpu_percent_during']}% during the replay")
+    lines += profile_lines(report["servers"], options.get("baseline"))
     return "\n".join(lines) + "\n"
 
 

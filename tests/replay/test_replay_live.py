@@ -7,6 +7,8 @@ from __future__ import annotations
 import gzip
 import json
 
+import pytest
+
 from eval.replay.bound import ideal_curve, lru_curve
 from eval.replay.cli import main
 from eval.replay.tokens import block_tokens
@@ -31,7 +33,7 @@ def test_live_replay_stock_vs_tail_replay(tmp_path, tiny_model_factory):
     rc = main(["--trace", str(trace), "--requests", "12", "--tokens-per-block", str(TOKENS_PER_BLOCK),
                "--max-total-tokens", "16384", "--max-mamba-cache-size", "8", "--boot", "together",
                "--servers", "stock", "tail_replay", "--model", str(tiny_model_factory("qwen3-next")),
-               "--out", str(out), "--allow-busy", "--load-sample-s", "0.5"])
+               "--out", str(out), "--allow-busy", "--load-sample-s", "0.5", "--profile", "--baseline", "stock"])
     assert rc == 0
     report = json.loads((out / "report.json").read_text())
     assert (out / "report.md").read_text().count("\n| ") >= 3
@@ -76,3 +78,19 @@ def test_live_replay_stock_vs_tail_replay(tmp_path, tiny_model_factory):
     assert tr["replayed_tokens"] is not None and rows["stock"]["replayed_tokens"] is None
     assert set(tr["hit_kinds"]) <= {"miss", "approximate", "exact_checkpoint", "exact_replay"}
     assert tr["hit_kinds"].get("approximate", 0) > 0
+
+    # --profile: py-spy sampled each scheduler over its own replay; the report splits the time
+    for i, (label, row) in enumerate(rows.items()):
+        p = row["profile"]
+        assert (out / f"pyspy-{i}-{label}.txt").stat().st_size > 0
+        assert p["requests"] == 12 and p["samples"] > 0
+        ms = p["ms_per_request"]
+        assert 0 < ms["forward"] <= ms["sampled"] and ms["outside_forward"] == pytest.approx(ms["sampled"] - ms["forward"])
+        assert 0 < ms["forward_extend"] <= ms["forward"]      # one output token each: prefill only
+        assert p["outside_forward"] and all("forward_batch_generation" not in name for name, _ in p["outside_forward"])
+        assert max(v for _, v in p["outside_forward"]) <= ms["outside_forward"] + 1e-3
+        cpu = row["process_cpu_ms_per_request"]                # psutil, every replay
+        assert cpu["http"] > 0 and cpu["sglang::scheduler"] > 0 and "sglang::detokenizer" in cpu
+    assert "Scheduler time per request" in (out / "report.md").read_text()
+    assert "CPU per request of each server's processes" in (out / "report.md").read_text()
+    assert "tail_replay against stock" in (out / "report.md").read_text()
