@@ -149,20 +149,20 @@ def test_decode_tracked_checkpoint_is_exact(servers, references):
     first_ids = random_prompt(DOC + QUESTION, seed=30)       # 250 tokens; decode crosses 256
     first = ask(server, first_ids)
     follow_up = first_ids + first["output_ids"] + random_prompt(QUESTION, seed=31)
-    second = ask(server, follow_up)
-    assert details(second) == {"kind": "exact_checkpoint", "matched_tokens": 256,
-                               "reused_tokens": 256, "replayed_tokens": 0, "exact": True, "bound": 0.0}
+    second = ask(server, follow_up)                          # KV to 261 (the last output token has none)
+    assert details(second) == {"kind": "exact_checkpoint", "matched_tokens": 261,
+                               "reused_tokens": 256, "replayed_tokens": 5, "exact": True, "bound": 0.0}
     assert_matches_reference(second, references("nemotron-h", follow_up))
 
 
 def test_prefill_tracked_checkpoint_is_exact(servers, references):
     server = servers["checkpoints"]
     document = random_prompt(DOC, seed=40)
-    ask(server, document, new_tokens=1)                      # prefill tracks the state at 192
+    ask(server, document, new_tokens=1)                      # prefill tracks the state at 192; KV to 240
     question = document + random_prompt(QUESTION, seed=41)
     result = ask(server, question)
-    assert details(result) == {"kind": "exact_checkpoint", "matched_tokens": 192,
-                               "reused_tokens": 192, "replayed_tokens": 0, "exact": True, "bound": 0.0}
+    assert details(result) == {"kind": "exact_checkpoint", "matched_tokens": 240,
+                               "reused_tokens": 192, "replayed_tokens": 48, "exact": True, "bound": 0.0}
     assert_matches_reference(result, references("nemotron-h", question))
 
 
@@ -220,17 +220,39 @@ def test_a_turn_whose_state_was_freed_tracks_and_inserts_its_own_prompt_as_stock
     resumed from 192: the agentic replay's requests that reused less than stock.)"""
     server = servers["checkpoints"]
     first = random_prompt(200, seed=90)
-    ask(server, first, new_tokens=1)                             # its KV and state up to 192
+    ask(server, first, new_tokens=1)                             # its state at 192, its KV to 200
     for i in range(14):                                          # 14 newer states through 12 slots
         ask(server, random_prompt(70, seed=91 + i), new_tokens=1)
     second_ids = first + random_prompt(56, seed=110)
     second = ask(server, second_ids, {"exactness": "exact"}, new_tokens=1)
-    assert details(second)["kind"] == "miss" and details(second)["matched_tokens"] == 192   # KV, no state
+    assert details(second)["kind"] == "miss" and details(second)["matched_tokens"] == 200   # KV, no state
     third_ids = second_ids + random_prompt(QUESTION, seed=111)
     third = ask(server, third_ids)
     assert details(third) == {"kind": "exact_checkpoint", "matched_tokens": 256, "reused_tokens": 256,
                               "replayed_tokens": 0, "exact": True, "bound": 0.0}
     assert_matches_reference(third, references("nemotron-h", third_ids))
+
+
+def test_a_finished_request_leaves_its_kv_past_its_last_state_in_the_tree(servers, references):
+    """The extra buffer inserts a finished request only up to the last state it tracked (192 of a
+    200-token prompt: its second chunk's grid point) and stock SGLang frees the KV after it.
+    Tail-Replay inserts that KV too, without a state. The next request over the same prompt
+    matches all of it: by default it resumes exactly from the state at 192 and recomputes the
+    rest, as stock (same reuse, same answer); a request that takes approximation reuses the KV
+    past the state."""
+    server = servers["checkpoints"]
+    first = random_prompt(200, seed=120)
+    ask(server, first, new_tokens=4)
+    ids = first + random_prompt(QUESTION, seed=121)
+    exact = ask(server, ids)
+    assert details(exact) == {"kind": "exact_checkpoint", "matched_tokens": 200, "reused_tokens": 192,
+                              "replayed_tokens": 8, "exact": True, "bound": 0.0}
+    assert exact["meta_info"]["cached_tokens"] == 192
+    assert_matches_reference(exact, references("nemotron-h", ids))
+    approx = ask(server, first + random_prompt(QUESTION, seed=122), {"exactness": "approximate", "budget": 0})
+    assert details(approx)["kind"] == "approximate" and details(approx)["matched_tokens"] == 200
+    assert approx["meta_info"]["cached_tokens"] == 199                      # the last matched token replayed
+    assert len(approx["output_ids"]) == NEW
 
 
 @pytest.mark.parametrize("name", SERVERS)
