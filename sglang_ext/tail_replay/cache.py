@@ -724,10 +724,11 @@ class TailReplayRadixCache(UnifiedRadixCache):
         KV after it: on stock SGLang that KV cannot be reused without a state at its end. Here it
         can (a plan resumes from the state and recomputes, or replays), and without the extra
         buffer the tree gets a request's whole KV anyway; so the rest is inserted as KV alone
-        (`_insert_kv_past_the_state`). Only for the Full + Mamba components (no SWA window to keep).
-        Reads only."""
+        (`_insert_kv_past_the_state`). Only for the Full + Mamba components (no SWA window to keep),
+        and not with the session radix cache (it registers the first insert's end as the session's
+        leaf). Reads only."""
         return (req.finished() and self.enable_mamba_extra_buffer and not self.disable and req.kv.holds_kv
-                and not req.skip_radix_cache_insert
+                and not req.skip_radix_cache_insert and not self.enable_session_radix_cache
                 and {c.component_type for c in self._components_tuple} == {ComponentType.FULL, ComponentType.MAMBA}
                 and up_to // self.page_size * self.page_size > req.kv.cache_protected_len)
 
