@@ -31,9 +31,7 @@ import json
 import os
 import random
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eval.fixtures.tiny import build_tiny_model  # noqa: E402
 from eval.harness import ServerProcess, start_servers, stop_servers  # noqa: E402
+from eval.replay.profile import Sampler, scheduler_pid  # noqa: E402
 
 KINDS = ("miss", "exact", "exact_short", "approximate")
 EXPECTED = {"miss": "miss", "exact": "exact_checkpoint", "exact_short": "exact_checkpoint",
@@ -87,27 +86,14 @@ class Bench:
         return {"kind": kind, "ttft_s": ttft, "summary": summary}
 
 
-def scheduler_pid(server: ServerProcess) -> int:
-    for child in psutil.Process(server.proc.pid).children(recursive=True):
-        if "scheduler" in child.name() or "scheduler" in " ".join(child.cmdline()):
-            return child.pid
-    raise RuntimeError("no scheduler process found under the server")
-
-
 def profile(bench: Bench, kind: str, reps: int, out: Path) -> dict:
     """py-spy over `reps` requests of `kind` (each with its warm-up): shares of the scheduler's
     samples in the forward and in Tail-Replay's bookkeeping."""
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     raw = out / f"pyspy-{kind}.txt"
-    proc = subprocess.Popen([spy, "record", "-p", str(scheduler_pid(bench.server)), "-r", "500", "-f", "raw",
-                             "-o", str(raw), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(1.5)
+    sampler = Sampler(scheduler_pid(bench.server.proc.pid), raw, rate=500).start()
     for _ in range(reps):
         bench.one(kind)
-    proc.send_signal(2)
-    _, err = proc.communicate(timeout=60)
-    if not raw.exists():
-        raise RuntimeError(f"py-spy wrote no profile: {err.decode()[-500:]}")
+    sampler.stop()
     total = forward = book = 0
     functions: collections.Counter[str] = collections.Counter()
     for line in raw.read_text().splitlines():
@@ -122,7 +108,7 @@ def profile(bench: Bench, kind: str, reps: int, out: Path) -> dict:
             book += n
             functions[mine[-1].split(" (")[0]] += n
     return {"samples": total, "forward_share": forward / max(total, 1), "bookkeeping_share": book / max(total, 1),
-            "bookkeeping_ms_per_request": book / 500 * 1e3 / reps,
+            "bookkeeping_ms_per_request": book / sampler.rate * 1e3 / reps,
             "top_bookkeeping": functions.most_common(8), "raw": raw.name}
 
 

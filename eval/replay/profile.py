@@ -4,9 +4,9 @@ The scheduler runs the whole request path outside the HTTP front end: the tree m
 scheduling, the forward, the insert and eviction. A sample is one stack of its main thread (py-spy
 records active stacks only: a scheduler waiting for work is not sampled). Per server, the summary
 splits the sampled time per request into the model forward (`forward_batch_generation`; its
-extend and decode batches apart) and the rest, and names the functions that take the rest (their inclusive time in samples outside the
-forward), with the share spent in this repository's code (frames under `sglang_ext/`, inside the
-forward too). Two servers replaying the same requests can then be compared function by function
+extend and decode batches apart) and the rest, and names the functions that take the rest (their
+inclusive time in samples outside the forward), with the share spent in this repository's code
+(frames under `sglang_ext/`, inside the forward too). Two servers replaying the same requests can then be compared function by function
 (`profile_differences`). py-spy itself takes CPU: timings of a profiled replay are not comparable
 with an unprofiled one's, only with another profiled server's of the same run.
 """
