@@ -48,10 +48,12 @@ setup(
     version="0.1.0",
     description="SGLang extension: Tail-Replay prefix reuse, SAECache eviction, LinearKV for hybrid LLMs",
     python_requires=">=3.10,<3.13",
-    packages=find_packages(include=["sglang_ext", "sglang_ext.*"]) + find_packages(where="kernels"),
+    packages=find_packages(include=["sglang_ext", "sglang_ext.*"]) + find_packages(where="kernels")
+    + ["sglang_ext.patches"] + [f"sglang_ext.patches.{p}" for p in find_packages(where="patches")],
     # kernels/ has no __init__.py (the pip package `kernels`, which SGLang uses, must not be shadowed):
-    # it only holds the import package hybrid_kernels
-    package_dir={"hybrid_kernels": "kernels/hybrid_kernels"},
+    # it only holds the import package hybrid_kernels. The top-level patches/ folder (one module per
+    # SGLang seam) installs as `sglang_ext.patches`: the wheel has no top-level `patches` package.
+    package_dir={"hybrid_kernels": "kernels/hybrid_kernels", "sglang_ext.patches": "patches"},
     install_requires=SERVE,
     extras_require={"eval": EVAL, "scale": SCALE, "mooncake-cpu": MOONCAKE_CPU,
                     "test": EVAL + SCALE + MOONCAKE_CPU + TOOLS},

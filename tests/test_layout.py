@@ -1,6 +1,6 @@
 """The package layout's one-way dependencies (issue 15): product <- eval <- training.
 
-- `sglang_ext/` and `sglang_ext/patches/` (what a user installs to serve) import nothing from `eval`,
+- `sglang_ext/` and `patches/` (what a user installs to serve) import nothing from `eval`,
   `benchmarks` or `tests`;
 - `eval/` outside `eval/training/` never imports `eval.training` (training -> eval, not back);
 - our top-level `kernels/` folder never shadows the `kernels` package SGLang depends on.
@@ -40,7 +40,7 @@ def _offenders(folders: tuple[str, ...], banned: tuple[str, ...], skip: str | No
 
 
 def test_product_imports_no_eval_benchmarks_or_tests():
-    assert _offenders(("sglang_ext",), ("eval", "benchmarks", "tests")) == {}
+    assert _offenders(("sglang_ext", "patches"), ("eval", "benchmarks", "tests")) == {}
 
 
 def test_eval_never_imports_training():
@@ -58,7 +58,7 @@ def test_kernels_package_is_not_shadowed():
 def test_tail_replay_never_names_linearkv():
     """Issue 28: Tail-Replay's code, its patches included, knows LinearKV only through the
     extension points LinearKV registers (`sglang_ext.hooks`), never by import or by name."""
-    files = sorted((ROOT / "sglang_ext" / "tail_replay").rglob("*.py")) + sorted((ROOT / "sglang_ext" / "patches").glob("tail_replay_*.py"))
+    files = sorted((ROOT / "sglang_ext" / "tail_replay").rglob("*.py")) + sorted((ROOT / "patches").glob("tail_replay_*.py"))
     assert len(files) > 10, files
     named = {path.relative_to(ROOT).as_posix() for path in files if "linearkv" in path.read_text().lower()}
     assert not named

@@ -31,7 +31,7 @@ def _name(requirement: str) -> str:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     src = tmp_path_factory.mktemp("src")
-    files = subprocess.run(["git", "ls-files", "setup.py", "pyproject.toml", "README.md", "sglang_ext", "kernels"],
+    files = subprocess.run(["git", "ls-files", "setup.py", "pyproject.toml", "README.md", "sglang_ext", "patches", "kernels"],
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for rel in files:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)

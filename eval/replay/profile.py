@@ -30,7 +30,7 @@ FORWARD = re.compile(r"forward_batch_generation \(")
 DECODE = re.compile(r"_execute_decode \(|CudaGraphRunner\.replay \(")
 EXTEND = re.compile(r"_execute_extend \(")
 #: a frame of this repository's code
-OURS = re.compile(r"sglang_ext/")
+OURS = re.compile(r"(?:^|[/(])(?:sglang_ext|patches)/")
 #: py-spy samples per second
 RATE = 250
 

@@ -2,7 +2,7 @@
 turns a radix tree's match / insert / evict events into ``SAEPolicy`` calls.
 
 Pure Python (no SGLang, no torch): the SGLang seams (``sglang_adapter.py`` and
-``sglang_ext/patches/sae_*.py``) describe tree nodes as ``PathNode`` records and call
+``patches/sae_*.py``) describe tree nodes as ``PathNode`` records and call
 ``ServerSAE``; the simulator drives the very same ``SAEPolicy`` through
 ``eval/trace_sim/cache.py``. One core, two adapters.
 

@@ -1,7 +1,7 @@
 """SGLang adapter of SAECache (``--radix-eviction-policy sae``): the strategy object SGLang's
 tree core holds, the one accessor for the per-request record, and the translation of
 SGLang tree nodes into ``serving.PathNode``. The seams that call it are
-``sglang_ext/patches/sae_policy.py`` (factory, CLI choice, start-up check), ``sae_tree_core.py``
+``patches/sae_policy.py`` (factory, CLI choice, start-up check), ``sae_tree_core.py``
 (the Python tree core), ``sae_cache_events.py`` (match / insert), ``sae_full_eviction.py``
 (the full-KV eviction walk), ``sae_request.py`` and ``sae_chat.py`` (request fields).
 
@@ -9,7 +9,7 @@ SAE orders the full-KV leaves (``victim()``) and, where the config's ``state_ord
 ``"sae"`` (the default under ``tail_replay``; ``"lru"``, SGLang's walk, is the default on the
 default backend), through the rule beside it (``ServerSAE.state_order``: lowest keep value of
 the node's entry first), the recurrent-state checkpoints (``state_eviction_order``, called from
-``sglang_ext/patches/sae_state_eviction.py`` in both backends; under ``tail_replay`` the state alone goes,
+``patches/sae_state_eviction.py`` in both backends; under ``tail_replay`` the state alone goes,
 on the default backend a state on a leaf takes the leaf, which SAE then sees as an external
 eviction, queue ``state``): docs/saecache.md.
 """
@@ -33,7 +33,7 @@ _NONE = SAERequest()
 
 class SAEStrategy(EvictionStrategy):
     """What ``get_eviction_strategy("sae", config)`` builds. ``server`` drives the full-KV
-    leaf eviction (see sglang_ext/patches/sae_full_eviction.py); ``get_priority`` (last access) orders
+    leaf eviction (see patches/sae_full_eviction.py); ``get_priority`` (last access) orders
     only walks SAE does not drive (host-tier eviction)."""
 
     def __init__(self, **config) -> None:
@@ -51,7 +51,7 @@ def strategy_of(tree_core) -> SAEStrategy | None:
 def request_record(req) -> SAERequest:
     """The request's SAE record (typed spans, session), parsed once from
     ``sampling_params.custom_params`` and SGLang's session id (validated at arrival by
-    sglang_ext/patches/sae_request.py, so parsing here cannot fail on a served request)."""
+    patches/sae_request.py, so parsing here cannot fail on a served request)."""
     record = req.__dict__.get(_REQ_ATTR)
     if record is None:
         custom = getattr(req.sampling_params, "custom_params", None)

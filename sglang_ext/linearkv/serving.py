@@ -1,6 +1,6 @@
 """LinearKV in the server: configuration, per-request chunk plans and their summary (pure core:
 no SGLang import; the adapter is `sglang_ext/linearkv/sglang_cache.py`, the request seam
-`sglang_ext/patches/linearkv_request.py`).
+`patches/linearkv_request.py`).
 
 A request's prompt is `P | C_1 .. C_K | Q`: P (the exact prefix, e.g. the system prompt) is served
 from the radix tree with Tail-Replay's exact-KV reuse; each chunk C_j was prefilled on its own (at
@@ -335,7 +335,7 @@ def capture_of(req: Any) -> tuple[Any, int, int] | None:
 
 def needs_worker(req: Any) -> bool:
     """Whether the worker acts on this request before or after its forward: a pending EPIC
-    pre-pass, or chunk locks its first forward's reads release (`sglang_ext/patches/linearkv_prepass.py`)."""
+    pre-pass, or chunk locks its first forward's reads release (`patches/linearkv_prepass.py`)."""
     record = record_of(req)
     return record is not None and (bool(record.locks) or record.prepass is not None)
 

@@ -1,7 +1,7 @@
 """SGLang adapter: `--radix-cache-backend linearkv` (a Tail-Replay cache that also assembles
 position-independent chunks; the pure core is `sglang_ext/linearkv/serving.py`).
 
-A request's way through it (seams in `sglang_ext/patches/linearkv_request.py` and this class):
+A request's way through it (seams in `patches/linearkv_request.py` and this class):
 1. Arrival (tokenizer process): the chunks are found (token spans, or a separator string), and
    one registration prefill per chunk and one for P (`max_new_tokens: 0`,
    `custom_params.linearkv.register`, `extra_key` = the model's chunk namespace) run before the

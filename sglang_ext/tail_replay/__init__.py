@@ -1,6 +1,6 @@
 """Tail-Replay: token-level prefix reuse for hybrid models without recurrent-state checkpoints.
 
-This package is the wing's public face: `sglang_ext/patches/` import only from `sglang_ext.tail_replay`,
+This package is the wing's public face: `patches/` import only from `sglang_ext.tail_replay`,
 never from its modules. Importing it loads no SGLang module (the SGLang cache adapter, `cache`,
 is loaded on first use of the names that need it).
 
@@ -17,7 +17,7 @@ A request's route (SGLang 0.5.23), seam by seam:
 1. config. Start-up: `sglang_ext.launcher` / `sglang_ext.plugin` validate the config
    (`server_config`) against the flags (`startup.check_start`); every scheduler checks it again
    in `cache.tail_replay_cache_factory` (the KV dtype SGLang resolved). Arrival, tokenizer
-   process: `sglang_ext/patches/tail_replay_request.py` (`SamplingParams.verify`) checks the request's
+   process: `patches/tail_replay_request.py` (`SamplingParams.verify`) checks the request's
    `custom_params["tail_replay"]` with `request_overrides` against the server's refusals
    (`request_limits`): a bad one is that request's HTTP 400.
 2. planner. Scheduler, prefix match: `cache.TailReplayRadixCache._finalize_match_result` attaches
@@ -27,18 +27,18 @@ A request's route (SGLang 0.5.23), seam by seam:
    approximate checkpoint, approximate, miss), sets the request's carry and read floor, stores the plan and, for
    `kv_mode` "exact", the tree's KV slots of the replayed tail in the record, and sets SGLang's
    prefix length; `TailReplayMambaComponent` lets the match run as deep as the attention KV.
-   (`sglang_ext/patches/tail_replay_sizing.py` and `sglang_ext/patches/tail_replay_pages.py` size the state pool and
+   (`patches/tail_replay_sizing.py` and `patches/tail_replay_pages.py` size the state pool and
    allow pages > 1 for this backend at start-up.)
-3. request record -> forward. `sglang_ext/patches/tail_replay_batch.py` (`ForwardBatch.init_new`) reads
+3. request record -> forward. `patches/tail_replay_batch.py` (`ForwardBatch.init_new`) reads
    each record (`record_of`): the plan goes into the counters at the first forward
    (`record_first_forward`), and the tail's rows in the packed batch with their tree slots are
-   registered for the batch; `sglang_ext/patches/tail_replay_attention.py` (`RadixAttention`) substitutes
-   the cached K/V into those rows, and `sglang_ext/patches/tail_replay_prefill_graph.py` sends such batches
+   registered for the batch; `patches/tail_replay_attention.py` (`RadixAttention`) substitutes
+   the cached K/V into those rows, and `patches/tail_replay_prefill_graph.py` sends such batches
    around a "full" prefill CUDA graph. The rows of approximate replays' tails are registered too:
-   `sglang_ext/patches/tail_replay_gdn_bound.py` (`RadixLinearAttention.forward`) and
-   `sglang_ext/patches/tail_replay_mamba2_bound.py` (the Mamba-2 mixer's SSD scan call) add each request's
+   `patches/tail_replay_gdn_bound.py` (`RadixLinearAttention.forward`) and
+   `patches/tail_replay_mamba2_bound.py` (the Mamba-2 mixer's SSD scan call) add each request's
    per-layer tail log-decay into its record (`state_bound`, record `tail_decay`).
-4. output / metrics. `sglang_ext/patches/tail_replay_meta.py` (`get_cached_tokens_details`) puts
+4. output / metrics. `patches/tail_replay_meta.py` (`get_cached_tokens_details`) puts
    `replay_summary(record)` (the plan; for approximate hits the state bound, which also goes into
    its histogram once) into `meta_info.cached_tokens_details.tail_replay`; `/metrics` serves the
    counters of step 3 and the histogram.
@@ -54,20 +54,20 @@ A request's route (SGLang 0.5.23), seam by seam:
    plan's prefix and reads the tail's KV slots after the load. States go to the host only with
    checkpoints, and a host state is copied only into a plan that starts from it
    (`state_load_node`); `recover_after_unevict` keeps a host node's bounds when an insert gives it
-   fresh device KV. `sglang_ext/patches/tail_replay_host_pools.py` gives the host budget to KV
+   fresh device KV. `patches/tail_replay_host_pools.py` gives the host budget to KV
    without checkpoints. Storage (`--hicache-storage-backend`, L3): attention KV only, and only of
    strictly exact paths (`write_backup_storage`); SGLang's prefetch probe (a match without a state
    copy) sees the tree's own match, not a plan (`_is_storage_probe`), and prefetched pages are host
    nodes the planner plans over.
-6. audit (off unless `audit_rate` > 0 or a request's `audit: true`). `sglang_ext/patches/tail_replay_audit.py`:
+6. audit (off unless `audit_rate` > 0 or a request's `audit: true`). `patches/tail_replay_audit.py`:
    in the scheduler (`capture_pre_sample_logits`, the forward's raw logits) the first output of an
    audited request (`audit_trigger`) is kept (`PendingAudits`, record `audit`, meta_info `audit`);
    in the tokenizer process (`_handle_batch_output`) its finish sends the same prompt as an exact
    reference run (`reference_overrides`: `audit_of`), whose first output is compared with it
    (`divergence`), recorded (`record_audit`) and logged.
-7. repair (off unless `repair: true`; `repair.py`). `sglang_ext/patches/tail_replay_meta.py` adds a
+7. repair (off unless `repair: true`; `repair.py`). `patches/tail_replay_meta.py` adds a
    finished not-exact answer's sequence (`repair_due`, `repair_sequence`) under `REPAIR_KEY`;
-   `sglang_ext/patches/tail_replay_audit.py` removes it in the tokenizer process and sends it as an
+   `patches/tail_replay_audit.py` removes it in the tokenizer process and sends it as an
    exact background run (`repair_overrides`: `repair_of`), whose exact KV and end state replace the
    approximate ones in the tree. Shared-state repair (on unless `repair_shared: false`): at the
    match (`TailReplayRadixCache._note_shared_repair`) a request whose approximate plan creates a

@@ -14,7 +14,7 @@ What changes against SGLang 0.5.23's `UnifiedRadixCache` + `MambaComponent`:
 - caching: with keep_checkpoints=False no state is inserted; the attention KV always is.
 The per-request decision goes into the request's record (`tail_replay.request`): its config
 (resolved once, at the first match), the plan (a ReplayPlan) and, for exact-KV replay, `kv_slots`:
-the tree's KV slots of the replayed tail, read by `sglang_ext/patches/tail_replay_batch.py` /
+the tree's KV slots of the replayed tail, read by `patches/tail_replay_batch.py` /
 `tail_replay_attention.py`.
 """
 
@@ -90,7 +90,7 @@ def _set_provenance(node: Any, prov: NodeProvenance | None) -> None:
 
 def request_config(base: TailReplayConfig, req: Any) -> TailReplayConfig:
     """The server's config with the request's `custom_params["tail_replay"]` overrides
-    (validated when the request arrived, see sglang_ext/patches/tail_replay_request.py). Resolved once per
+    (validated when the request arrived, see patches/tail_replay_request.py). Resolved once per
     request: `record_for` keeps the result on the request's record."""
     return request_overrides(base, getattr(req.sampling_params, "custom_params", None))
 
@@ -356,7 +356,7 @@ class TailReplayMambaComponent(MambaComponent):
         """The next unlocked device state to free in this walk, or None: SGLang's order, least
         recently used first (with the session radix cache, its partitioned cursor). The one
         place a policy may reorder states (`--radix-eviction-policy sae` does, see
-        sglang_ext/patches/sae_state_eviction.py). May mutate: the walk cursor."""
+        patches/sae_state_eviction.py). May mutate: the walk cursor."""
         lru = self.tree_core.lru_lists[self.component_type]
         by_session = self.tree_core.enable_session_radix_cache
         goes_first = self._goes_first.get(self.config.state_order)
@@ -557,7 +557,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
     def _note_shared_repair(self, record: TailReplayRequest, planned: _Planned, prompt_len: int) -> None:
         """Shared-state repair (tail_replay/repair.py); asks at most once per request (an ask made
         at an earlier match of the same request, one that waited for room, stands until it is
-        sent with the request's first output, `sglang_ext/patches/tail_replay_meta.py`). Two rules:
+        sent with the request's first output, `patches/tail_replay_meta.py`). Two rules:
 
         - at the branch (`branch_repair_due`): under the extra buffer (stock SGLang keeps a state
           where a request branches off the tree), a request whose plan is approximate and whose

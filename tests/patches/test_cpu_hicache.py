@@ -1,4 +1,4 @@
-"""HiCache's host tier on CPU (`sglang_ext/patches/cpu_hicache.py`).
+"""HiCache's host tier on CPU (`patches/cpu_hicache.py`).
 
 The torch `direct` copies are checked against transcriptions of sgl-kernel's C++ loops
 (`csrc/kvcacheio/transfer.cu`: `transfer_kv_direct`, `transfer_kv_page_first_direct_impl`) on

@@ -1,5 +1,5 @@
 """The CPU memory budget falls back to the pre-load free memory only when SGLang's profile refuses
-because other processes took memory meanwhile (sglang_ext/patches/cpu_memory_budget.py)."""
+because other processes took memory meanwhile (patches/cpu_memory_budget.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""CPU MoE fallback (`sglang_ext/patches/cpu_ops/moe.py`) vs transformers' Nemotron-H experts."""
+"""CPU MoE fallback (`patches/cpu_ops/moe.py`) vs transformers' Nemotron-H experts."""
 
 from __future__ import annotations
 

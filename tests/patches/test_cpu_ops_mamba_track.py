@@ -1,4 +1,4 @@
-"""Decode-time state tracking in torch (`sglang_ext/patches/cpu_ops/mamba_track.py`) against the contract of
+"""Decode-time state tracking in torch (`patches/cpu_ops/mamba_track.py`) against the contract of
 SGLang's Triton kernels: for each batch row i < batch_size with the mask set, copy slot
 cache_indices[i] to slot mamba_track_indices[i] (conv and SSM state, every layer); with
 check_freed_slots, rows naming slot -1 are skipped. The reference is that loop, written out."""

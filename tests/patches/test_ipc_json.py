@@ -1,4 +1,4 @@
-"""The extension's nested values across SGLang's msgpack IPC (`sglang_ext/patches/ipc_json.py`), checked with
+"""The extension's nested values across SGLang's msgpack IPC (`patches/ipc_json.py`), checked with
 SGLang's own encoder and typed decoder."""
 
 from __future__ import annotations

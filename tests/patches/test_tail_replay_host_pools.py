@@ -1,5 +1,5 @@
 """Tail-Replay's host tier is KV-only: the `--hicache-size` split gives the state pool's share to KV
-(sglang_ext/patches/tail_replay_host_pools.py), against SGLang's own split function."""
+(patches/tail_replay_host_pools.py), against SGLang's own split function."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Exact-KV Tail-Replay's two seams, without a server: which rows of a packed extend batch are a
-replayed tail and which tree slots they take (`sglang_ext/patches/tail_replay_batch.py`), and the substitution
-of the cached K/V into those rows (`sglang_ext/patches/tail_replay_attention.py`), in SGLang's plain path and
+replayed tail and which tree slots they take (`patches/tail_replay_batch.py`), and the substitution
+of the cached K/V into those rows (`patches/tail_replay_attention.py`), in SGLang's plain path and
 inside SGLang's own breakable prefill CUDA graph capture / replay (`BreakableCUDAGraphCapture`,
 driven on CPU with a stand-in for `torch.cuda.CUDAGraph` whose segments do nothing: the eager
 breaks between them are SGLang's code, and are what runs at replay).

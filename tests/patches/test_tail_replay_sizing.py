@@ -1,4 +1,4 @@
-"""State slots per running request (`sglang_ext/patches/tail_replay_sizing.py`) for every Mamba strategy.
+"""State slots per running request (`patches/tail_replay_sizing.py`) for every Mamba strategy.
 
 SGLang's `_calculate_mamba_ratio` reads the published server config; here its readers are
 replaced by plain namespaces, and SGLang's own `resolve_max_num_reqs` turns the ratio into the

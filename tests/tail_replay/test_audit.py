@@ -1,5 +1,5 @@
 """The live quality audit's pure parts (`sglang_ext.tail_replay.audit`: sampling decision, divergence,
-store of served distributions, config keys) and its scheduler side (`sglang_ext/patches/tail_replay_audit.py`'s
+store of served distributions, config keys) and its scheduler side (`patches/tail_replay_audit.py`'s
 `observe_forward`) on duck-typed requests, with no server."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tail-Replay's public face: `sglang_ext/patches/` and the rest of the product reach the wing only through
+"""Tail-Replay's public face: `patches/` and the rest of the product reach the wing only through
 `sglang_ext.tail_replay`, importing it loads none of SGLang's unified-cache modules, and the
 environment module does not import the wing back."""
 

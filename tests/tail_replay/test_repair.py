@@ -1,6 +1,6 @@
 """Exact repair's pure parts (`sglang_ext.tail_replay.repair`: when a request is repaired, what is
 recomputed, the repair run's overrides and config keys) and the tokenizer side's reading of a batch
-output (`sglang_ext/patches/tail_replay_audit.py`'s `_repairs_due`) on duck-typed objects, with
+output (`patches/tail_replay_audit.py`'s `_repairs_due`) on duck-typed objects, with
 no server (the served path: tests/e2e/test_tail_replay_server.py)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ calls names that have no CPU binding:
   chunk-grid and tracked states `--mamba-radix-cache-strategy extra_buffer` reads) and
   `selective_state_update` (~lines 721/756, decode) are Triton kernels.
 All six names are rebound in the `mamba.py` module to the torch ops in
-`sglang_ext/patches/cpu_ops/mamba2.py` (the conv ones reuse `sglang_ext/patches/cpu_ops/conv1d.py`).
+`patches/cpu_ops/mamba2.py` (the conv ones reuse `patches/cpu_ops/conv1d.py`).
 """
 
 from __future__ import annotations

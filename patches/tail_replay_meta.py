@@ -7,7 +7,7 @@ Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and 
 gates); requests without a plan (no Tail-Replay match) keep SGLang's details unchanged. A
 finished answer that was not exact, on a server or request with `repair: true`, also carries its
 sequence under `REPAIR_KEY` (`sglang_ext.tail_replay.repair`) for the tokenizer process, which
-removes it and sends the repair run (`sglang_ext/patches/tail_replay_audit.py`); a request that
+removes it and sends the repair run (`patches/tail_replay_audit.py`); a request that
 asked for a shared state's repair (`repair_shared`, the default) carries that state's prefix under
 `SHARED_REPAIR_KEY` the same way, in its first output (a streamed request's first token; otherwise
 the output SGLang sends at its finish or forced stream interval), so that the repair runs while the

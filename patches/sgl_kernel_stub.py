@@ -7,7 +7,7 @@ CPU ops from it at import time (`kernels/ops/kvcache/cache_move.py`,
 
 The stand-in is a package whose `__path__` is the real one, so sgl_kernel's own Python
 wrappers (e.g. `sgl_kernel.mamba.chunk_gated_delta_rule_cpu`) load unchanged; only the
-compiled `torch.ops.sgl_kernel.*_cpu` ops are provided, in pure torch (`sglang_ext/patches/cpu_ops`).
+compiled `torch.ops.sgl_kernel.*_cpu` ops are provided, in pure torch (`patches/cpu_ops`).
 A top-level name is looked up in sgl_kernel's submodules; anything without a CPU op fails
 with an error naming it.
 """

@@ -6,9 +6,9 @@ Target (SGLang 0.5.23): `srt/model_executor/forward_batch_info.py::ForwardBatch.
 extend forward, the rows of the packed batch that belong to a request's replayed tail
 [prefix_len, L), and the tree's KV slots for them (the record's `kv_slots`, set by the
 tail_replay cache at match; `sglang_ext.tail_replay.record_of`), are kept in a small registry;
-`sglang_ext/patches/tail_replay_attention.py` and `tail_replay_prefill_graph.py` read them (`tail_of`).
+`patches/tail_replay_attention.py` and `tail_replay_prefill_graph.py` read them (`tail_of`).
 The rows of approximate replays' tails (either KV mode), with each request's `TailDecay`, are kept
-beside them for the gate hooks (`bound_segments_of`: `sglang_ext/patches/tail_replay_gdn_bound.py`,
+beside them for the gate hooks (`bound_segments_of`: `patches/tail_replay_gdn_bound.py`,
 `tail_replay_mamba2_bound.py`). Also records each request's Tail-Replay plan in the metrics at its first forward.
 Requests without a Tail-Replay record are untouched.
 

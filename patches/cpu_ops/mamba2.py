@@ -10,7 +10,7 @@ imports from `kernels/ops/mamba/triton_ops`:
 - `selective_state_update` (`ssu_dispatch.py` / `mamba_ssm.py`): one (or T) decode steps,
   updating `state[state_batch_indices]` in place.
 - `causal_conv1d_fn` / `causal_conv1d_update` with the signatures of
-  `srt/layers/attention/mamba/causal_conv1d.py`, delegating to `sglang_ext/patches/cpu_ops/conv1d.py`.
+  `srt/layers/attention/mamba/causal_conv1d.py`, delegating to `patches/cpu_ops/conv1d.py`.
 
 Layouts (SGLang's): x [b, L, H, P], dt [b, L, H], A [H], B/C [b, L, G, N], D [H] or [H, P],
 SSM state [.., H, P, N]. Math in fp32 (`hybrid_kernels.mamba2`). Within a sequence the scan runs

@@ -5,7 +5,7 @@ Targets `srt/layers/attention/hybrid_linear_attn_backend.py` (SGLang 0.5.23, imp
 Triton kernels (`kernels/ops/mamba/mamba_state_scatter_triton.py`) and calls them after every
 decode step of a GDN or Mamba-2 layer when a request's length reaches the track interval.
 Without a GPU the launch fails; the names are rebound to the torch ops in
-`sglang_ext/patches/cpu_ops/mamba_track.py`.
+`patches/cpu_ops/mamba_track.py`.
 """
 
 from __future__ import annotations
