@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"{', '.join(TRACE_NAMES)}; or a Mooncake *.jsonl(.gz) file; or a directory of "
                         "kv-cache-tester trace_*.json.gz files")
     p.add_argument("--traces-root", type=Path, default=DEFAULT_TRACE_ROOT,
-                   help="where the named traces live (default: ../shared/traces of the repository)")
+                   help="where the named traces live (default: the committed sample eval/traces, or "
+                        "$SGLANG_EXT_TRACES; eval/traces/README.md)")
     p.add_argument("--requests", type=int, default=600, help="replay the first N requests in time order")
     p.add_argument("--sessions", type=int, default=48,
                    help="kv-cache-tester: conversations loaded (the first N files), interleaved by arrival time")

@@ -1,4 +1,5 @@
-"""Loaders for the real traces in ``../shared/traces`` (see its README).
+"""Loaders for the real traces: the committed sample in ``eval/traces`` (see its README) by
+default, or a folder with the same layout given by ``--traces-root`` / ``SGLANG_EXT_TRACES``.
 
 * Mooncake (``*.jsonl.gz``): global prefix-chained ids over 512-token blocks, no
   sessions, no token types.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +23,12 @@ import numpy as np
 
 from .trace import NO_BLOCK, BlockTable, Request, Trace
 
-DEFAULT_TRACE_ROOT = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+#: the committed sample (eval/traces/README.md: which files, source, licence)
+SAMPLE_TRACE_ROOT = Path(__file__).resolve().parents[1] / "traces"
+#: where the named traces are read from unless a command's --traces-root says otherwise: the
+#: sample, or the folder in SGLANG_EXT_TRACES (the full sets, same layout); read once, here
+TRACES_ENV = "SGLANG_EXT_TRACES"
+DEFAULT_TRACE_ROOT = Path(os.environ.get(TRACES_ENV) or SAMPLE_TRACE_ROOT)
 MOONCAKE_BLOCK_TOKENS = 512
 KV_BLOCK_TOKENS = 64
 

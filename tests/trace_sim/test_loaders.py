@@ -1,17 +1,29 @@
-"""Loaders on tiny files in the real formats, plus the first records of the real traces."""
+"""Loaders on tiny files in the real formats, plus the first records of the committed sample of
+the real traces (eval/traces) and what the documented replays select from it."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
-from eval.trace_sim.loaders import KvLoadOptions, load_kv_cache_tester, load_mooncake
+from eval.trace_sim.loaders import (
+    SAMPLE_TRACE_ROOT,
+    TRACES_ENV,
+    KvLoadOptions,
+    kv_trace_files,
+    load_kv_cache_tester,
+    load_mooncake,
+)
 from eval.trace_sim.simulate import prepare
 from eval.trace_sim.trace import NO_BLOCK
 from eval.trace_sim.tree import build_node_tree
 
-REAL_TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_jsonl_gz(path: Path, records) -> Path:
@@ -80,12 +92,53 @@ def test_kv_cache_tester_without_output_caching(tmp_path):
 
 
 def test_real_mooncake_trace_first_records():
-    trace = load_mooncake(REAL_TRACES / "mooncake" / "conversation_trace.jsonl.gz", limit=20)
+    trace = load_mooncake(SAMPLE_TRACE_ROOT / "mooncake" / "conversation_trace.jsonl.gz", limit=20)
     assert len(trace.requests) == 20 and trace.block_tokens == 512
     assert all(r.prompt_tokens > 0 for r in trace.requests)
+    # the trace's first records: 6,758 and 7,322 prompt tokens (14 and 15 blocks of 512) that
+    # share their first block, the system prompt nearly every request starts with
+    assert [r.prompt_tokens for r in trace.requests[:2]] == [6758, 7322]
+    assert list(trace.parent[:3]) == [NO_BLOCK, 0, 1]
+    assert trace.requests[0].last_block == 13 and trace.parent[14] == 0
 
 
 def test_real_kv_cache_tester_first_conversation():
-    trace = load_kv_cache_tester(REAL_TRACES / "kv-cache-tester", KvLoadOptions(limit_files=1))
-    assert trace.block_tokens == 64 and len(trace.requests) > 10
+    trace = load_kv_cache_tester(SAMPLE_TRACE_ROOT / "kv-cache-tester", KvLoadOptions(limit_files=1))
+    assert trace.block_tokens == 64 and len(trace.requests) == 41   # trace_0001: 41 main turns
+    assert trace.requests[0].prompt_tokens == 71175
     assert build_node_tree(trace).token_type[0] == "system"
+
+
+def test_the_sample_holds_the_conversations_the_documented_replays_select():
+    """`--sessions 48` (first 48 files) and `--sessions 48 --skip-sessions 48` (the held-out ones,
+    `--skip-sessions 524` on the 572-file set) as eval/traces/README.md lists them."""
+    names = [f.name.split(".")[0] for f in kv_trace_files(SAMPLE_TRACE_ROOT / "kv-cache-tester")]
+    assert len(names) == 96
+    assert (names[0], names[47], names[48], names[95]) == ("trace_0001", "trace_0061", "trace_0681", "trace_0739")
+    held_out = load_kv_cache_tester(SAMPLE_TRACE_ROOT / "kv-cache-tester", KvLoadOptions(limit_files=48, skip_files=48))
+    assert len({r.session for r in held_out.requests}) == 48
+    for folder in ("mooncake", "kv-cache-tester"):
+        assert "Apache License" in (SAMPLE_TRACE_ROOT / folder / "LICENSE").read_text()
+    assert (SAMPLE_TRACE_ROOT / "mooncake" / "synthetic_trace.jsonl.gz").is_file()
+
+
+def test_the_default_root_is_the_sample_unless_the_environment_names_another(tmp_path):
+    probe = "from eval.trace_sim.loaders import DEFAULT_TRACE_ROOT; print(DEFAULT_TRACE_ROOT)"
+    env = {k: v for k, v in os.environ.items() if k != TRACES_ENV}
+
+    def default_root(extra: dict) -> str:
+        out = subprocess.run([sys.executable, "-c", probe], env={**env, **extra}, cwd=REPO,
+                             capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    assert default_root({}) == str(SAMPLE_TRACE_ROOT) and SAMPLE_TRACE_ROOT == REPO / "eval" / "traces"
+    assert default_root({TRACES_ENV: str(tmp_path)}) == str(tmp_path)
+
+
+def test_no_code_reads_a_folder_beside_the_repository():
+    """The repository stands alone: no source, script or config names the sibling shared folder."""
+    sibling = re.compile(r"\.\.(/|\"\s*[/,]\s*\")shared")   # as one path or as path parts
+    tracked = subprocess.run(["git", "ls-files", "*.py", "*.sh", "*.toml", "*.cfg", "*.ini", "*.yml", "*.yaml"],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    offenders = [p for p in tracked if (REPO / p).is_file() and sibling.search((REPO / p).read_text(errors="replace"))]
+    assert offenders == []
