@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 from eval.replay.cli import main as replay_main  # noqa: E402
 from sglang_ext.cluster import free_ports, mooncake_extra_config, mooncake_master_command, mooncake_store_command  # noqa: E402
 
-REPLAY = ["--trace", "kv-cache-tester", "--sessions", "48", "--skip-sessions", "524", "--session-gap-s", "10",
+REPLAY = ["--trace", "kv-cache-tester", "--sessions", "48", "--skip-sessions", "48", "--session-gap-s", "10",
           "--requests", "600", "--tokens-per-block", "1", "--max-total-tokens", "9216", "--max-mamba-cache-size", "32",
           "--new-tokens", "16", "--boot", "each"]
 COMMON = "--mamba-radix-cache-strategy extra_buffer --enable-hierarchical-cache --hicache-ratio 4 " \
