@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
 def load_records(path: Path) -> dict[str, dict]:
-    """The records in `path` by key (the last one of a key wins); empty when it does not exist."""
+    """The records in `path` by key (the last one of a key wins); empty when it does not exist.
+    A `.gz` path (the committed reference records) is read through gzip."""
     out: dict[str, dict] = {}
     if path.exists():
-        for line in path.read_text().splitlines():
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        for line in text.splitlines():
             if line.strip():
                 rec = json.loads(line)
                 out[rec["key"]] = rec

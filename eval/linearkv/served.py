@@ -1,7 +1,7 @@
 """LinearKV quality through the live server, against the reference path's records (issue 18).
 
     OMP_NUM_THREADS=1 python -m eval.linearkv.served --tasks niah,niah_mk,qa --lengths 1024,2048 \
-        --samples 3 --reference docs/results/linearkv/results.jsonl --out docs/results/linearkv/served
+        --samples 3 --reference docs/results/linearkv/results.jsonl.gz --out docs/results/linearkv/served
 
 Per model, one `--radix-cache-backend linearkv` server (`min_chunk_tokens` 1 so that every chunk of
 the workload is a chunk, as on the reference path; fp32 on CPU). The items are
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-tokens", type=int, default=128, help="as the reference run's (default 128)")
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reference", default="docs/results/linearkv/results.jsonl",
+    p.add_argument("--reference", default="docs/results/linearkv/results.jsonl.gz",
                    help="the reference path's records (python -m eval.linearkv)")
     p.add_argument("--out", default="runs/linearkv-served")
     p.add_argument("--log-dir", default="runs/linearkv-served", help="server logs (kept out of --out)")
