@@ -1,5 +1,5 @@
 """Command line: `sglang-ext serve` (the patched SGLang server) and `sglang-ext cluster` (SGLang's
-router in front of N patched workers, sglang_ext/cluster.py).
+router in front of N patched workers, sglang_ext/cluster/).
 
 Fixture checkpoints and the demo are evaluation tools, outside the product package:
 `python -m eval.fixtures` and `python -m eval.demo`.

@@ -52,7 +52,7 @@ def test_top_level_names(wheel):
     tops = {n.split("/", 1)[0] for n in wheel.namelist() if not n.split("/", 1)[0].endswith(".dist-info")}
     assert tops == {"sglang_ext", "hybrid_kernels"}, tops
     assert "sglang_ext/patches/__init__.py" in wheel.namelist()
-    assert "sglang_ext/cluster.py" in wheel.namelist()
+    assert "sglang_ext/cluster/__init__.py" in wheel.namelist()
 
 
 def test_requirements_serving_only(wheel):

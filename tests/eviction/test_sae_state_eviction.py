@@ -33,7 +33,8 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
-from sglang_ext.eviction.serving import PathNode, RequestInfo, SAERequest, ServerConfig, ServerSAE  # noqa: E402
+from sglang_ext.eviction.base import RequestInfo  # noqa: E402
+from sglang_ext.eviction.serving import PathNode, SAERequest, ServerConfig, ServerSAE  # noqa: E402
 from sglang_ext.eviction.sglang_adapter import SAEStrategy, state_eviction_order, strategy_of  # noqa: E402
 from sglang_ext.tail_replay import TailReplayConfig, TailReplayMambaComponent, TailReplayRadixCache  # noqa: E402
 from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402

@@ -1,0 +1,42 @@
+"""Ports and HTTP probes the cluster (and the eval harness) use: free ports, whether a server's
+log says its port was taken, and a GET that answers None instead of raising."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports (all held open until every one is chosen, so none repeats)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def port_taken(log: str) -> bool:
+    """Whether a server's log says uvicorn could not bind its HTTP port."""
+    return "error while attempting to bind" in log and "address already in use" in log
+
+
+def get_text(url: str) -> str | None:
+    """The body of a 200 answer to GET `url` (10 s timeout), else None."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.read().decode("utf-8", "replace") if resp.status == 200 else None
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def get_ok(url: str) -> bool:
+    return get_text(url) is not None
