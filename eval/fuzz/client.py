@@ -1,0 +1,178 @@
+"""Send a fuzzer workload (`eval.fuzz.workload`) to a live server and record what came back.
+
+`run_ops(url, rounds)` sends each round's ops side by side (a thread per op) and returns one
+observation per /generate request (a plain dict, JSON-ready):
+
+    {"op": index, "part": j, "kind": op kind, "status": HTTP status (0: no answer),
+     "tenant": [extra_key, cache_salt], "ids": the full context the model saw, "new": max new tokens,
+     "output_ids": [...], "logprobs": [...] (output tokens), "cached_tokens": int | None,
+     "details": meta_info["cached_tokens_details"] or {}, "tail_replay": the request's overrides,
+     "chunked": bool, "completed": the answer has all its tokens, "round": r, "error": str | None}
+
+A session turn's `ids` is the session's context (earlier turns' prompts and answers, then its own
+ids), as SGLang's streaming session builds it; an aborted turn leaves the context as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+TIMEOUT_S = 600.0
+
+
+def _tenant_fields(tenant: list) -> dict:
+    extra_key, salt = tenant
+    return {**({"extra_key": extra_key} if extra_key else {}), **({"cache_salt": salt} if salt else {})}
+
+
+def _params(new: int, overrides: dict | None, linearkv: dict | None = None) -> dict:
+    custom = {**({"tail_replay": overrides} if overrides else {}), **({"linearkv": linearkv} if linearkv else {})}
+    return {"max_new_tokens": new, "temperature": 0, "ignore_eos": True, **({"custom_params": custom} if custom else {})}
+
+
+def _obs(op: dict, part: int, ids: list[int], new: int, overrides: dict | None, **fields) -> dict:
+    base = {"op": op["index"], "part": part, "kind": op["op"], "status": 0, "tenant": op["tenant"], "ids": ids,
+            "new": new, "output_ids": [], "logprobs": [], "cached_tokens": None, "details": {},
+            "tail_replay": overrides, "chunked": "linearkv" in op, "completed": False, "error": None}
+    return {**base, **fields}
+
+
+def _fill(obs: dict, resp: requests.Response, item: dict | None = None) -> dict:
+    obs["status"] = resp.status_code
+    if resp.status_code != 200:
+        obs["error"] = resp.text[:400]
+        return obs
+    item = item if item is not None else resp.json()
+    meta = item.get("meta_info") or {}
+    obs["output_ids"] = list(item.get("output_ids") or ())
+    obs["logprobs"] = [x[0] for x in meta.get("output_token_logprobs") or ()]
+    obs["cached_tokens"] = meta.get("cached_tokens")
+    obs["details"] = meta.get("cached_tokens_details") or {}
+    obs["completed"] = len(obs["output_ids"]) == obs["new"]
+    return obs
+
+
+def _post(url: str, payload: dict) -> requests.Response:
+    return requests.post(f"{url}/generate", json=payload, timeout=TIMEOUT_S)
+
+
+def _stream_cut(url: str, payload: dict, after_events: int, how: str) -> tuple[int, list[int], str | None]:
+    """A streamed request cut after `after_events` events: (status, output ids seen, error)."""
+    payload = {**payload, "stream": True, "rid": payload.get("rid") or uuid.uuid4().hex}
+    seen: list[int] = []
+    with requests.post(f"{url}/generate", json=payload, stream=True, timeout=TIMEOUT_S) as resp:
+        if resp.status_code != 200:
+            return resp.status_code, seen, resp.text[:400]
+        events = 0
+        for line in resp.iter_lines():
+            if not line or not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                return resp.status_code, seen, str(chunk["error"])[:400]
+            seen = list(chunk.get("output_ids") or seen)
+            events += 1
+            if events >= after_events:
+                break
+        if how == "abort_request":
+            requests.post(f"{url}/abort_request", json={"rid": payload["rid"]}, timeout=60)
+        return resp.status_code, seen, None   # leaving the block drops the connection (disconnect)
+
+
+def _generate(url: str, op: dict, context: Callable[[int], list[int] | None]) -> list[dict]:
+    ids = list(op["ids"])
+    if "continue_of" in op:
+        prev = context(op["continue_of"])
+        if prev is None:
+            return []   # the conversation it continues has no answer
+        ids = prev + ids
+    obs = _obs(op, 0, ids, op["new"], op["tail_replay"])
+    payload = {"input_ids": ids, "return_logprob": True, **_tenant_fields(op["tenant"]),
+               "sampling_params": _params(op["new"], op["tail_replay"], op.get("linearkv"))}
+    return [_fill(obs, _post(url, payload))]
+
+
+def _batch(url: str, op: dict) -> list[dict]:
+    payload = {"input_ids": op["prompts"], "return_logprob": True, **_tenant_fields(op["tenant"]),
+               "sampling_params": _params(op["new"], op["tail_replay"])}
+    resp = _post(url, payload)
+    obs = [_obs(op, j, list(p), op["new"], op["tail_replay"]) for j, p in enumerate(op["prompts"])]
+    items = resp.json() if resp.status_code == 200 else [None] * len(obs)
+    return [_fill(o, resp, item) for o, item in zip(obs, items, strict=True)]
+
+
+def _abort(url: str, op: dict) -> list[dict]:
+    obs = _obs(op, 0, list(op["ids"]), op["new"], op["tail_replay"])
+    payload = {"input_ids": op["ids"], **_tenant_fields(op["tenant"]), "sampling_params": _params(op["new"], op["tail_replay"])}
+    obs["status"], obs["output_ids"], obs["error"] = _stream_cut(url, payload, op["after_events"], op["how"])
+    return [obs]
+
+
+def _session(url: str, op: dict) -> list[dict]:
+    sid = f"fuzz-{op['index']}-{uuid.uuid4().hex[:8]}"
+    resp = requests.post(f"{url}/open_session", json={"capacity_of_str_len": 1 << 20, "session_id": sid,
+                                                      "streaming": True}, timeout=60)
+    if resp.status_code != 200:
+        return [_obs(op, 0, list(op["turns"][0]["ids"]), 0, None, status=resp.status_code, error=resp.text[:400])]
+    out, context = [], []
+    try:
+        for j, turn in enumerate(op["turns"]):
+            ids = context + list(turn["ids"])
+            payload = {"input_ids": turn["ids"], "session_params": {"id": sid}, **_tenant_fields(op["tenant"]),
+                       "sampling_params": _params(turn["new"], turn["tail_replay"])}
+            obs = _obs(op, j, ids, turn["new"], turn["tail_replay"])
+            if op["abort_last"] and j == len(op["turns"]) - 1:
+                obs["status"], obs["output_ids"], obs["error"] = _stream_cut(url, payload, op["after_events"], "disconnect")
+                out.append(obs)
+                break
+            obs = _fill(obs, _post(url, {**payload, "return_logprob": True}))
+            out.append(obs)
+            if obs["status"] != 200:
+                break
+            context = ids + obs["output_ids"]
+    finally:
+        requests.post(f"{url}/close_session", json={"session_id": sid}, timeout=60)
+    return out
+
+
+def run_op(url: str, op: dict, context: Callable[[int], list[int] | None]) -> list[dict]:
+    """Send one op; never raises for HTTP or protocol errors (status 0 and the error instead)."""
+    try:
+        if op["op"] == "generate":
+            return _generate(url, op, context)
+        if op["op"] == "batch":
+            return _batch(url, op)
+        if op["op"] == "abort":
+            return _abort(url, op)
+        if op["op"] == "session":
+            return _session(url, op)
+    except (requests.RequestException, ValueError) as err:
+        return [_obs(op, 0, list(op.get("ids") or []), 0, None, error=f"{type(err).__name__}: {str(err)[:300]}")]
+    raise ValueError(f"unknown op kind {op['op']!r}")
+
+
+def run_ops(url: str, rounds: list[list[dict]], after_round: Callable[[int], None] | None = None) -> list[dict]:
+    """Send the rounds in order, each round's ops side by side; `after_round(r)` runs after each
+    round (e.g. a wait for SGLang's idle check). Returns the observations."""
+    answers: dict[int, list[int]] = {}
+
+    def context(index: int) -> list[int] | None:
+        return answers.get(index)
+
+    observations: list[dict] = []
+    with ThreadPoolExecutor(max(1, max(map(len, rounds), default=1))) as pool:
+        for r, rnd in enumerate(rounds):
+            for obs_list in pool.map(lambda op: run_op(url, op, context), rnd):
+                for obs in obs_list:
+                    obs["round"] = r
+                    if obs["kind"] == "generate" and obs["completed"]:
+                        answers[obs["op"]] = obs["ids"] + obs["output_ids"]
+                observations += obs_list
+            if after_round is not None:
+                after_round(r)
+    return observations

@@ -1,0 +1,55 @@
+"""Answers of a server without cache (`eval.fuzz.configs.no_cache_server`), kept per (ids, new
+tokens), and the float noise between two of its runs, from which the exactness tolerance follows."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+#: the exactness oracle's tolerance on output logprobs: this floor, or NOISE_FACTOR times the
+#: measured noise between two runs of the server without cache, whichever is larger
+TOLERANCE_FLOOR = 1e-4
+NOISE_FACTOR = 10.0
+
+
+class NoCacheReference:
+    """`ref(ids, new) -> (output ids, output logprobs)`: greedy, EOS ignored."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.answers: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+
+    def ask(self, ids: list[int], new: int) -> tuple[list[int], list[float]]:
+        payload = {"input_ids": list(ids), "return_logprob": True,
+                   "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+        resp = requests.post(f"{self.url}/generate", json=payload, timeout=600)
+        resp.raise_for_status()
+        out = resp.json()
+        return list(out["output_ids"]), [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+
+    def __call__(self, ids: list[int], new: int) -> tuple[list[int], list[float]]:
+        key = (tuple(ids), new)
+        if key not in self.answers:
+            self.answers[key] = self.ask(ids, new)
+        return self.answers[key]
+
+    def prefetch(self, items: list[tuple[list[int], int]], concurrency: int = 4) -> None:
+        """Ask for several answers side by side (the server batches them)."""
+        todo = list({(tuple(ids), new) for ids, new in items} - set(self.answers))
+        with ThreadPoolExecutor(concurrency) as pool:
+            for key, answer in zip(todo, pool.map(lambda k: self.ask(list(k[0]), k[1]), todo), strict=True):
+                self.answers[key] = answer
+
+
+def measure_noise(ref: NoCacheReference, prompts: list[list[int]], new: int = 8) -> dict:
+    """The same prompts one at a time, then all side by side (other batch shapes, other chunking of
+    the batch): the largest output-logprob difference and whether every greedy token agreed."""
+    alone = [ref.ask(p, new) for p in prompts]
+    with ThreadPoolExecutor(len(prompts) or 1) as pool:
+        together = list(pool.map(lambda p: ref.ask(p, new), prompts))
+    same_tokens = all(a[0] == b[0] for a, b in zip(alone, together, strict=True))
+    noise = max((abs(x - y) for a, b in zip(alone, together, strict=True) for x, y in zip(a[1], b[1], strict=False)),
+                default=0.0)
+    return {"prompts": len(prompts), "new_tokens": new, "max_logprob_diff": noise, "same_tokens": same_tokens,
+            "tolerance": max(TOLERANCE_FLOOR, NOISE_FACTOR * noise)}

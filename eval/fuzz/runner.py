@@ -1,0 +1,142 @@
+"""Run fuzzer seeds against one live server configuration and apply the oracles.
+
+`fuzz_server(server, reference, seeds, ...)` sends each seed's workload (`generate_workload`) to a
+running server (the cache emptied between seeds, so a seed reproduces alone), checks after every
+round that the server is up, after every seed that SGLang's idle check ran again (its strict pool
+check and tree sanity check raise in the scheduler on a leak: the server dies), and applies the
+oracles (`eval.fuzz.oracles`) to the seed's observations and the seed's part of the server log. A
+server that died is reported with the round in flight and restarted. The first violation of each
+kind (oracle, op kind, chunked or not) per configuration is shrunk (`eval.fuzz.shrink`).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import requests
+
+from eval.fuzz.client import run_ops
+from eval.fuzz.oracles import (
+    exactness_claim,
+    exactness_targets,
+    exactness_violations,
+    log_violations,
+    status_violations,
+    tenancy_violations,
+)
+from eval.fuzz.reference import NoCacheReference
+from eval.fuzz.shrink import shrink
+from eval.fuzz.workload import Workload, WorkloadShape, generate_workload
+
+_SANITY_METRIC = re.compile(r'^sglang:scheduler_stage_seconds_total\{category="sanity_check_cache"[^}]*\} (\S+)$', re.M)
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+def idle_check_seconds(url: str) -> float:
+    """Seconds SGLang's idle tree-cache sanity check has run so far (grows each time it runs)."""
+    return sum(float(v) for v in _SANITY_METRIC.findall(requests.get(f"{url}/metrics", timeout=60).text))
+
+
+def wait_for_idle_check(server, before: float, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.proc is None or server.proc.poll() is not None:
+            raise ServerDied("the server died while idle (SGLang's strict pool check raises on a leak)")
+        if idle_check_seconds(server.url) > before:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def flush(url: str, wait_s: float = 60.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while requests.post(f"{url}/flush_cache", timeout=120).status_code != 200:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/flush_cache refused for {wait_s:.0f} s")
+        time.sleep(0.3)
+
+
+def check(observations: list[dict], reference: NoCacheReference, tolerance: float) -> list[dict]:
+    reference.prefetch([(o["ids"], len(o["output_ids"])) for o in exactness_targets(observations)])
+    return (exactness_violations(observations, reference, tolerance) + tenancy_violations(observations)
+            + status_violations(observations))
+
+
+def _signature(v: dict, ops_by_index: dict[int, dict]) -> tuple:
+    op = ops_by_index.get(v["op"], {})
+    return v["oracle"], v["kind"], "linearkv" in op
+
+
+def _replay(server, reference: NoCacheReference, tolerance: float, violation: dict) -> Callable[[list[dict]], bool]:
+    def reproduces(ops: list[dict]) -> bool:
+        flush(server.url)
+        observations = run_ops(server.url, [[op] for op in ops])
+        return any(v["oracle"] == violation["oracle"] and v["op"] == violation["op"] and v["part"] == violation["part"]
+                   for v in check(observations, reference, tolerance))
+    return reproduces
+
+
+def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: int, shape: WorkloadShape,
+                tolerance: float, concurrency: int = 4, shrink_budget: int = 8, max_shrinks: int = 4,
+                deadline: float | None = None, restart: Callable[[], None] | None = None) -> dict:
+    """Returns {"seeds", "ops", "requests", "statuses", "claims", "violations", "wall_s"}; each
+    violation carries its seed and, where shrunk, its reproduction."""
+    t0 = time.monotonic()
+    statuses: Counter = Counter()
+    claims: Counter = Counter()
+    violations: list[dict] = []
+    shrunk: set[tuple] = set()
+    done_seeds, n_ops_sent, n_requests = [], 0, 0
+    for seed in seeds:
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        workload: Workload = generate_workload(seed, n_ops, concurrency, shape)
+        ops_by_index = {op["index"]: op for op in workload.ops()}
+        log_start = len(server.log_text())
+
+        def alive(r: int) -> None:
+            if server.proc is None or server.proc.poll() is not None:
+                raise ServerDied(f"the server died in round {r}")
+
+        try:
+            flush(server.url)
+            observations = run_ops(server.url, workload.rounds, after_round=alive)
+            before = idle_check_seconds(server.url)
+            wait_for_idle_check(server, before)
+        except (ServerDied, requests.RequestException) as err:
+            log = server.log_text()[log_start:]
+            violations.append({"oracle": "server died", "seed": seed, "op": None, "part": None, "round": None,
+                               "kind": None, "detail": {"error": str(err)[:300]},
+                               "reproduction": {"seed": seed, "note": "the seed's workload, run as generated"}})
+            violations += [{**v, "seed": seed} for v in log_violations(log)]
+            if restart is None:
+                break
+            restart()
+            done_seeds.append(seed)
+            continue
+        done_seeds.append(seed)
+        n_ops_sent += len(ops_by_index)
+        n_requests += len(observations)
+        statuses.update(str(o["status"]) for o in observations)
+        claims.update(str(exactness_claim(o["details"])) for o in observations if o["status"] == 200)
+        found = check(observations, reference, tolerance)
+        found += log_violations(server.log_text()[log_start:])
+        for v in found:
+            v["seed"] = v.get("seed", seed)
+            sig = _signature(v, ops_by_index)
+            if v["op"] is not None and sig not in shrunk and len(shrunk) < max_shrinks:
+                shrunk.add(sig)
+                result = shrink(workload.ops(), v["op"], _replay(server, reference, tolerance, v), shrink_budget)
+                v["reproduction"] = {"seed": seed, "round": v["round"], **result}
+            elif v["op"] is not None:
+                v["reproduction"] = {"seed": seed, "round": v["round"], "ops": [ops_by_index[v["op"]]],
+                                     "note": "not shrunk (a violation of this kind was shrunk already)"}
+        violations += found
+    return {"seeds": done_seeds, "ops": n_ops_sent, "requests": n_requests, "statuses": dict(statuses),
+            "claims": dict(claims), "violations": violations, "wall_s": round(time.monotonic() - t0, 1)}

@@ -1,0 +1,101 @@
+"""The exactness fuzzer's pure parts: the workload generator, the oracles and the shrinker (no
+server; the live runs are tests/e2e/test_exactness_fuzz.py)."""
+
+from __future__ import annotations
+
+import json
+
+from eval.fuzz.oracles import exactness_claim, exactness_violations, log_violations, tenancy_violations
+from eval.fuzz.shrink import shrink
+from eval.fuzz.workload import TENANTS, WorkloadShape, generate_workload, requests_in
+
+
+def test_same_seed_same_workload_and_ops_are_valid():
+    shape = WorkloadShape(linearkv=True, max_context=900)
+    a, b = generate_workload(3, 120, 4, shape), generate_workload(3, 120, 4, shape)
+    assert json.dumps(a.rounds) == json.dumps(b.rounds)
+    assert json.dumps(generate_workload(4, 120, 4, shape).rounds) != json.dumps(a.rounds)
+    ops = a.ops()
+    assert [op["index"] for op in ops] == list(range(120))
+    round_of = {op["index"]: r for r, rnd in enumerate(a.rounds) for op in rnd}
+    kinds = {op["op"] for op in ops}
+    assert kinds == {"generate", "batch", "abort", "session"}
+    assert any("linearkv" in op for op in ops) and any("continue_of" in op for op in ops)
+    for op in ops:
+        assert tuple(op["tenant"]) in TENANTS and requests_in(op) >= 1
+        if "continue_of" in op:   # continues an op of an earlier round, same tenant
+            assert round_of[op["continue_of"]] < round_of[op["index"]]
+            assert ops[op["continue_of"]]["tenant"] == op["tenant"]
+        if "linearkv" in op:      # spans ordered, disjoint, inside the prompt, a question after them
+            spans = op["linearkv"]["chunks"]
+            assert all(s < e for s, e in spans) and all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
+            assert spans[-1][1] < len(op["ids"])
+    # a chunked request's own tokens come back later as a plain prompt asking for exactness
+    twins = [op for op in ops if op["op"] == "generate" and "linearkv" not in op
+             and any("linearkv" in o and o["ids"] == op["ids"] and round_of[o["index"]] < round_of[op["index"]] for o in ops)]
+    assert twins and all(t["tail_replay"]["exactness"] == "exact" for t in twins)
+    assert not any("linearkv" in op for op in generate_workload(3, 120, 4, WorkloadShape()).ops())
+
+
+def _obs(op, ids, out, tenant=(None, None), cached=0, rnd=0, details=None, overrides=None, completed=True, **kw):
+    return {"op": op, "part": 0, "kind": "generate", "status": 200, "tenant": list(tenant), "ids": ids, "new": len(out),
+            "output_ids": out, "logprobs": [-1.0] * len(out), "cached_tokens": cached, "details": details or {},
+            "tail_replay": overrides, "chunked": False, "completed": completed, "round": rnd, "error": None, **kw}
+
+
+def test_tenancy_oracle_bounds_cached_tokens_by_the_tenants_own_prefixes():
+    a, b = ("tenant-a", None), ("tenant-b", None)
+    doc = list(range(10, 60))
+    obs = [_obs(0, doc, [1, 2], tenant=a),
+           _obs(1, doc + [7], [3], tenant=a, cached=50, rnd=1),          # its own document: fine
+           _obs(2, doc + [8], [3], tenant=b, cached=20, rnd=1),          # tenant a's tokens: a leak
+           _obs(3, doc[:30] + [9], [3], tenant=b, cached=30, rnd=2)]     # now b has sent them itself
+    found = tenancy_violations(obs)
+    assert [(v["op"], v["detail"]["own_tenant_prefix"]) for v in found] == [(2, 0)]
+    # an answer cut short may have cached up to `new` tokens past what the client saw
+    cut = [_obs(0, doc, [1], tenant=a, completed=False), _obs(1, doc + [1, 5, 6], [2], tenant=a, cached=52, rnd=1)]
+    cut[0]["new"] = 4
+    assert tenancy_violations(cut) == []
+
+
+def test_exactness_oracle_checks_claims_and_exact_requests_against_the_reference():
+    def reference(ids, new):
+        return [5] * new, [-1.0] * new
+
+    claimed = {"tail_replay": {"exact": True}}
+    obs = [_obs(0, [1, 2], [5, 5], details=claimed),
+           _obs(1, [1, 3], [5, 6], details=claimed),                                            # other tokens
+           _obs(2, [1, 4], [5, 5], details={"tail_replay": {"exact": False}}),                 # no claim
+           _obs(3, [1, 5], [5, 5], details={"tail_replay": {"exact": True, "kv_exact": False}}),  # kv_exact wins
+           _obs(4, [1, 6], [5, 7], overrides={"exactness": "exact"})]                          # asked, no meta
+    obs[0]["logprobs"] = [-1.0, -1.0 + 5e-5]
+    obs[3]["output_ids"] = [9, 9]
+    found = exactness_violations(obs, reference, tolerance=1e-4)
+    assert [v["op"] for v in found] == [1, 4]
+    obs[0]["logprobs"] = [-1.0, -1.02]
+    assert [v["op"] for v in exactness_violations(obs[:1], reference, tolerance=1e-4)] == [0]
+    assert exactness_claim({"tail_replay": {"exact": True, "kv_exact": False}}) is False
+    assert exactness_claim({}) is None
+
+
+def test_log_oracle_finds_tracebacks_and_leaks():
+    assert log_violations("INFO all good\n") == []
+    log = "x\nTraceback (most recent call last):\n  ...\nValueError: token_to_kv_pool memory leak detected! n=3\n"
+    assert {v["detail"]["pattern"] for v in log_violations(log)} == {"traceback", "memory leak"}
+
+
+def test_shrink_keeps_dependencies_and_drops_unrelated_ops():
+    ops = [{"index": i, "op": "generate", "ids": [i] * 20, "tenant": [None, None]} for i in range(8)]
+    ops[6]["continue_of"] = 2
+    ops[7]["ids"] = [3] * 20                                  # shares its lead with op 3
+    ops[7]["continue_of"] = 6
+    runs = []
+
+    def reproduces(cand):   # the violation of op 7 needs op 5 before it
+        runs.append([op["index"] for op in cand])
+        return 5 in runs[-1] and 7 in runs[-1]
+
+    result = shrink(ops, 7, reproduces, budget=10)
+    assert result["reproduced"] and [op["index"] for op in result["ops"]] == [2, 5, 6, 7]
+    assert runs[0] == [2, 6, 7]   # first the op with what it continues
+    assert not shrink(ops, 7, lambda cand: False, budget=10)["reproduced"]
