@@ -20,17 +20,17 @@ import json
 import sys
 from dataclasses import replace
 
-from eval.replay.cli import DEFAULT_TRACE_ROOT, _resolve_trace
+from eval.replay.inputs import resolve_trace
 from eval.trace_sim.ablations import make_sim_policy
 from eval.trace_sim.cost_model import DEFAULT_COST_MODEL, load_cost_model
-from eval.trace_sim.loaders import KvLoadOptions, load_kv_cache_tester, load_mooncake
+from eval.trace_sim.loaders import DEFAULT_TRACE_ROOT, KvLoadOptions, load_kv_cache_tester, load_mooncake
 from eval.trace_sim.simulate import prepare, replay
 from eval.trace_sim.trace import NO_BLOCK
 
 
 def predict(trace_name: str, traces_root, requests: int, sessions: int, session_gap_s: float,
             tokens_per_block: int, max_total_tokens: int, policies: list[str]) -> list[dict]:
-    kind, path = _resolve_trace(trace_name, traces_root)
+    kind, path = resolve_trace(trace_name, traces_root)
     if kind == "mooncake":
         trace = load_mooncake(path, limit=requests)
     else:

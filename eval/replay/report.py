@@ -1,4 +1,4 @@
-"""Per-server summaries of a replay, the markdown table and the plot (no SGLang, no HTTP).
+"""Per-server summaries of a replay, report.md and the plot (no SGLang, no HTTP).
 
 A request record (one JSON line per request in `requests-<server>.jsonl`) has: `index`,
 `session`, `prompt_tokens` (tokens sent), `ok`, `error`, `cached_tokens` (meta_info),
@@ -8,10 +8,14 @@ A request record (one JSON line per request in `requests-<server>.jsonl`) has: `
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+
+from eval.replay.profile import profile_lines
+from eval.replay.router import prediction_line
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -212,3 +216,47 @@ def _cumsum(xs: Sequence[int]) -> list[int]:
         total += x
         out.append(total)
     return out
+
+
+def replay_title(info: dict, args) -> str:
+    """One line: the trace, its scaling and the servers' pools (the plot's and report.md's title)."""
+    workers = getattr(args, "workers", 1)
+    cluster = f", {workers} workers behind the router ({args.router_policy})" if workers > 1 else ""
+    return (f"{info['name']}: {info['requests']} requests, {info['tokens_per_block']} tokens/block, "
+            f"KV pool {args.max_total_tokens:,}, {args.max_mamba_cache_size} state slots, "
+            f"concurrency {args.concurrency}, {args.new_tokens} new token(s){cluster}")
+
+
+def report_markdown(report: dict) -> str:
+    """report.md of a replay, from its report.json."""
+    info, refs = report["trace"], report["references"]
+    load = report["start_load"]
+    lines = [f"# Trace replay: {replay_title(info, argparse.Namespace(**report['options']))}", "",
+             f"Command: `{report['command']}`", "",
+             f"Trace: {info['path']} ({info['requests']} requests, {info['prompt_tokens']:,} prompt tokens, "
+             f"longest {info['max_prompt_tokens']:,}"
+             + (f", {info['sessions_in_replay']} of {info['sessions_loaded']} sessions present" if info["sessions_loaded"] else "")
+             + f"). Ideal reuse {refs['ideal_tokens']:,} tokens; LRU bound at {refs['lru_capacity_tokens']:,} "
+             f"tokens {refs['lru_bound_tokens']:,}.", "",
+             f"Machine at start: load average {load['loadavg_1m']:.2f}, other processes {load['other_cpu_percent']}% "
+             f"of {load['cpu_count']} CPUs, OMP_NUM_THREADS={load['omp_num_threads']}, client torch threads "
+             f"{load['torch_threads']}.", "",
+             markdown_table(report["servers"]), ""]
+    options = report["options"]
+    if options.get("baseline") or options.get("reference"):
+        lines += [comparison_table(report["servers"], options.get("baseline"), options.get("reference")), ""]
+    for row in report["servers"]:
+        if row.get("worker_prompt_tokens"):
+            tokens = row["worker_prompt_tokens"]
+            lines.append(f"- {row['server']}: prompt tokens per worker (router {row['router_policy']}) "
+                         + ", ".join(f"{t:,} ({t / max(sum(tokens), 1):.0%})" for t in tokens))
+        if (row.get("router_prediction") or {}).get("decisions"):   # round-robin decides on no tree
+            lines.append(prediction_line(row["server"], row["router_prediction"]))
+        if row["timings_withheld"]:
+            lines.append(f"- {row['server']}: timings withheld, {row['timings_withheld']}")
+        elif row["busy"]:
+            lines.append(f"- {row['server']}: timed on a busy machine (--allow-busy): other processes "
+                         f"{row['machine_load']['other_cpu_percent']}% before, "
+                         f"{row['other_cpu_percent_during']}% during the replay")
+    lines += profile_lines(report["servers"], options.get("baseline"))
+    return "\n".join(lines) + "\n"

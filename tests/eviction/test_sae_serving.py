@@ -191,7 +191,7 @@ def test_a_returning_evicted_entry_is_a_rereference():
 def test_replay_typed_spans_are_valid_request_fields():
     import numpy as np
 
-    from eval.replay.cli import request_custom_params
+    from eval.replay.client import request_custom_params
     from eval.replay.tokens import ScaledRequest, typed_spans
     from sglang_ext.eviction import TOKEN_TYPES
 

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from eval.replay.cli import replay_requests
+from eval.replay.client import replay_requests
 from eval.replay.servers import flush_cache, stream_generate
 from eval.replay.tokens import ScaledRequest
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from eval.replay.cli import ReplayError, build_parser, run
+from eval.replay.cli import build_parser
+from eval.replay.inputs import ReplayError
 from eval.replay.profile import (
     cpu_per_request,
     process_cpu_seconds,
@@ -13,6 +14,7 @@ from eval.replay.profile import (
     profile_lines,
     summarize_profile,
 )
+from eval.replay.runner import run
 
 LOOP = "run_scheduler_process (scheduler.py:10);Scheduler.event_loop_normal (scheduler.py:20)"
 FWD = "ModelRunner.forward_batch_generation (model_runner.py:30);Qwen3NextModel.forward (qwen3_next.py:40)"

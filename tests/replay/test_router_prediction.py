@@ -56,7 +56,7 @@ def test_a_cluster_is_stopped_like_the_servers_it_runs_beside():
     from unittest import mock
 
     from eval.harness import stop_servers
-    from eval.replay.cli import ClusterProcess
+    from eval.replay.cluster import ClusterProcess
 
     proc = ClusterProcess.__new__(ClusterProcess)
     proc.cluster = mock.Mock()

@@ -60,7 +60,7 @@ def _rec(cached, kind=None, ok=True, ttft=0.1):
 
 
 def test_background_runs_are_read_from_the_servers_metrics_by_kind():
-    from eval.replay.cli import background_runs
+    from eval.replay.metrics import background_runs
 
     texts = ['sglang_ext:tail_replay_repairs_total{kind="shared_state",model_name="m"} 2.0\n'
              'sglang_ext:tail_replay_repairs_total{kind="answer",model_name="m"} 0.0\n',
@@ -115,10 +115,11 @@ def test_cli_bad_input_exits_2_naming_it(tmp_path, capsys, argv, match):
 
 def test_cli_refuses_a_busy_machine_without_allow_busy(tmp_path, capsys, monkeypatch):
     import eval.replay.cli as cli
+    import eval.replay.runner as runner
     from eval.machine import MachineLoad
 
     busy = MachineLoad(9.0, 2, 95.0, None, 1, "t")
-    monkeypatch.setattr(cli, "sample_load", lambda **kw: busy)
+    monkeypatch.setattr(runner, "sample_load", lambda **kw: busy)
     assert cli.main(["--out", str(tmp_path / "o"), "--load-sample-s", "0.1"]) == 2
     assert "--allow-busy" in capsys.readouterr().err
 

@@ -125,7 +125,7 @@ def test_the_replay_reads_the_routers_prediction_for_each_request(cluster):
     (eval/replay/router.py): a first prompt the router has never seen is predicted cold, and a
     conversation's next turn, which the router sends to the worker holding its previous prompt,
     is predicted to reuse that prompt's share, and is served from the cache."""
-    from eval.replay.cli import replay_requests
+    from eval.replay.client import replay_requests
     from eval.replay.router import RouterCounters, prediction_summary
     from eval.replay.tokens import ScaledRequest
 

@@ -1,0 +1,71 @@
+"""The replay's client: each request streamed to a server (greedy, `--new-tokens` output tokens),
+at most `--concurrency` in flight, and the warm-up and flush before a server's replay."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tqdm import tqdm
+
+from eval.replay.metrics import router_counters
+from eval.replay.router import one_decision
+from eval.replay.servers import flush_cache, stream_generate
+from eval.replay.tokens import ScaledRequest, block_tokens
+from sglang_ext.tail_replay import META_KEY
+
+WARMUP_BLOCK = 1 << 40  # a block id no trace reaches
+
+
+def request_custom_params(req: ScaledRequest) -> dict:
+    """`--typed`: the request's spans and (for traces with sessions) its session."""
+    out: dict = {"token_types": [list(s) for s in req.spans]}
+    if req.session is not None and req.session >= 0:
+        out["session"] = int(req.session)
+    return out
+
+
+def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, concurrency: int,
+                    desc: str, typed: bool = False, session_ids: bool = False,
+                    router_metrics: str | None = None) -> tuple[list[dict], float]:
+    """Send every request (at most `concurrency` in flight, submitted in order); records in
+    request order and the wall time from the first send to the last answer. `router_metrics`:
+    the router's Prometheus URL; one request at a time, each record gets the router's decision
+    for it (`router`: its predicted match ratio and branch, eval/replay/router.py)."""
+    per_request = router_metrics is not None and concurrency == 1
+
+    def one(req: ScaledRequest) -> dict:
+        before = router_counters(router_metrics) if per_request else None
+        resp = stream_generate(url, list(req.tokens), new_tokens,
+                               custom_params=request_custom_params(req) if typed else None,
+                               session_id=f"conversation-{req.session}" if session_ids and req.session >= 0 else None)
+        details = (resp.meta_info.get("cached_tokens_details") or {}) if resp.ok else {}
+        rec = {"index": req.index, "session": req.session, "prompt_tokens": len(req.tokens),
+               "ok": resp.ok, "error": resp.error,
+               "cached_tokens": int(resp.meta_info.get("cached_tokens") or 0) if resp.ok else 0,
+               "tail_replay": details.get(META_KEY), "ttft_s": resp.ttft_s,
+               "latency_s": resp.latency_s, "output_ids": list(resp.output_ids)}
+        if before is not None:
+            rec["router"] = one_decision(router_counters(router_metrics).since(before))
+        return rec
+
+    records: list[dict] = [None] * len(requests)  # type: ignore[list-item]
+    bar = tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [pool.submit(one, req) for req in requests]
+        for i, future in enumerate(futures):
+            records[i] = future.result()
+            bar.update(1)
+    wall = time.perf_counter() - t0
+    bar.close()
+    return records, wall
+
+
+def warm_and_flush(url: str, tokens_per_block: int, seed: int) -> None:
+    """One unrelated request (first-call costs out of the timings), then an empty cache."""
+    warm = block_tokens([WARMUP_BLOCK + i for i in range(max(1, 64 // tokens_per_block))], tokens_per_block, seed)
+    resp = stream_generate(url, [int(t) for t in warm], 1)
+    if not resp.ok:
+        raise RuntimeError(f"warm-up request failed on {url}: {resp.error}")
+    flush_cache(url)

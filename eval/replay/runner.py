@@ -1,0 +1,183 @@
+"""The whole replay (`run`): every server spec booted (alone or all together), warmed, flushed and
+replayed in turn with the machine load sampled around it (`run_server`), then compared with the
+baseline and the reference and written out (report.json, report.md, replay.png, per-request
+JSONL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import psutil
+import requests
+
+from eval.machine import CpuWindow, require_quiet, sample_load
+from eval.replay.bound import ideal_curve, lru_curve
+from eval.replay.client import replay_requests, warm_and_flush
+from eval.replay.cluster import ClusterProcess, server_pids, server_worker_urls
+from eval.replay.inputs import ReplayError, load_trace, resolve_model
+from eval.replay.metrics import background_runs, prompt_tokens_served, router_counters
+from eval.replay.profile import (
+    ProfileError,
+    Sampler,
+    cpu_per_request,
+    process_cpu_seconds,
+    py_spy,
+    scheduler_pid,
+    summarize_profile,
+)
+from eval.replay.report import compare_to_baseline, plot, replay_title, report_markdown, same_outputs, summarize
+from eval.replay.router import prediction_summary
+from eval.replay.servers import ServerSpec, parse_server_specs
+
+THREAD_ENV = re.compile(r"^(OMP_|KMP_|MKL_|GOMP_|SGLANG_EXT_CPU|TORCH_NUM)")
+
+
+def _server_threads(pid: int) -> int:
+    try:
+        root = psutil.Process(pid)
+        return sum(p.num_threads() for p in [root, *root.children(recursive=True)])
+    except psutil.Error:
+        return 0
+
+
+def _slug(label: str, i: int) -> str:
+    return f"{i}-{re.sub(r'[^A-Za-z0-9_.+-]+', '_', label).strip('_')[:60]}"
+
+
+def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, refs, args, trace_info) -> tuple[dict, list[dict]]:
+    """Warm, flush, sample the load, replay; the server's summary row and its request records
+    (with the timings removed when they are withheld). `server`: a ServerProcess, or a
+    ClusterProcess whose router takes the requests (every worker is warmed and flushed)."""
+    url = server.url
+    for worker_url in server_worker_urls(server):
+        warm_and_flush(worker_url, trace_info["tokens_per_block"], args.seed)
+    load = sample_load(exclude_pids=all_pids, seconds=args.load_sample_s)
+    threads = sum(_server_threads(pid) for pid in server_pids(server))
+    router_metrics = server.router_metrics_url if isinstance(server, ClusterProcess) else None
+    router_before = router_counters(router_metrics) if router_metrics else None
+    sampler = (Sampler(scheduler_pid(server.proc.pid), args.out / f"pyspy-{_slug(spec.label, i)}.txt").start()
+               if getattr(args, "profile", False) else None)
+    single = not isinstance(server, ClusterProcess)
+    cpu_before = process_cpu_seconds(server.proc.pid) if single else None
+    window = CpuWindow(all_pids + ([sampler.proc.pid] if sampler else [])).start()
+    try:
+        records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label,
+                                       typed=args.typed, session_ids=args.session_ids, router_metrics=router_metrics)
+        other_during = window.stop()   # while py-spy still runs: its CPU is counted as ours, not as other load
+        process_cpu = cpu_per_request(cpu_before, process_cpu_seconds(server.proc.pid), len(scaled)) if single else None
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    prediction = (prediction_summary(records, router_counters(router_metrics).since(router_before))
+                  if router_metrics else None)
+    worker_tokens = [prompt_tokens_served(u) for u in server_worker_urls(server)] if isinstance(server, ClusterProcess) else None
+    background = background_runs([requests.get(f"{u}/metrics", timeout=60).text for u in server_worker_urls(server)])
+    busy = max(load.other_cpu_percent, other_during) > args.max_other_cpu
+    withheld = None
+    if busy and not args.allow_busy:
+        withheld = (f"machine busy: other processes used {load.other_cpu_percent:.0f}% of the CPUs before "
+                    f"and {other_during:.0f}% during the replay (limit {args.max_other_cpu:g}%); "
+                    f"rerun on a quiet machine or pass --allow-busy")
+    for rec, ideal, lru in zip(records, refs["ideal"].per_request, refs["lru"].per_request):
+        rec["ideal_tokens"], rec["lru_bound_tokens"] = ideal, lru
+        if withheld:
+            rec["ttft_s"] = rec["latency_s"] = None
+    timing = {"wall_s": wall, "machine_load": load.as_dict(), "other_cpu_percent_during": other_during,
+              "busy": busy, "timings_withheld": withheld, "server_threads": threads,
+              "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
+              "launch_args": spec.launch_args(_common_args(args)),
+              "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
+              "worker_prompt_tokens": worker_tokens, "background_runs": background,
+              "router_prediction": prediction, "process_cpu_ms_per_request": process_cpu}
+    row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
+    if sampler is not None:
+        row["profile"] = summarize_profile(sampler.raw, len(records), sampler.rate)
+    slug = _slug(spec.label, i)
+    with open(args.out / f"requests-{slug}.jsonl", "w") as handle:
+        for rec in records:
+            handle.write(json.dumps(rec) + "\n")
+    return row, records
+
+
+def _common_args(args) -> list[str]:
+    return shlex.split(args.server_args) + ["--max-total-tokens", str(args.max_total_tokens),
+                                            "--max-mamba-cache-size", str(args.max_mamba_cache_size)]
+
+
+def run(args) -> dict:
+    """The whole replay; writes report.json, report.md, replay.png and per-request JSONL."""
+    from eval.harness import ServerProcess, servers_running
+
+    for flag in ("requests", "concurrency", "new_tokens", "max_total_tokens", "max_mamba_cache_size", "sessions",
+                 "workers"):
+        if getattr(args, flag) < 1:
+            raise ReplayError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.skip_sessions < 0:
+        raise ReplayError(f"--skip-sessions must be >= 0, got {args.skip_sessions}")
+    specs = parse_server_specs(args.servers)
+    if getattr(args, "profile", False):
+        if args.workers > 1:
+            raise ReplayError("--profile samples one server's scheduler; it does not combine with --workers > 1")
+        try:
+            py_spy()
+        except ProfileError as err:
+            raise ReplayError(str(err)) from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    start_load = sample_load(seconds=args.load_sample_s)
+    require_quiet(start_load, args.allow_busy, args.max_other_cpu)
+    trace_info, scaled = load_trace(args)
+    sequences = [r.tokens for r in scaled]
+    refs = {"ideal": ideal_curve(sequences), "lru": lru_curve(sequences, args.max_total_tokens)}
+    model = resolve_model(args)
+    if args.workers > 1:
+        from sglang_ext.cluster import ROUTER_POLICIES, router_available
+
+        if args.router_policy not in ROUTER_POLICIES:
+            raise ReplayError(f"--router-policy {args.router_policy!r}: use one of {ROUTER_POLICIES}")
+        if not router_available():
+            raise ReplayError("--workers > 1 needs SGLang's router: pip install 'sglang-hybrid-cache[scale]'")
+        procs: list = [ClusterProcess(str(model), spec.launch_args(_common_args(args)), args.workers,
+                                      args.router_policy, args.out / f"cluster-{_slug(spec.label, i)}")
+                       for i, spec in enumerate(specs)]
+    else:
+        procs = [ServerProcess(str(model), spec.launch_args(_common_args(args)),
+                               log_path=args.out / f"server-{_slug(spec.label, i)}.log")
+                 for i, spec in enumerate(specs)]
+    rows, per_server = [], {}
+    groups = [list(range(len(specs)))] if args.boot == "together" else [[i] for i in range(len(specs))]
+    for group in groups:
+        with servers_running([procs[i] for i in group]):
+            pids = [pid for i in group for pid in server_pids(procs[i])]
+            for i in group:
+                row, records = run_server(specs[i], i, procs[i], pids, scaled, refs, args, trace_info)
+                rows.append(row)
+                per_server[specs[i].label] = records
+    for label in (args.baseline, args.reference):
+        if label is not None and label not in per_server:
+            raise ReplayError(f"--baseline/--reference {label!r} is not a --servers label ({sorted(per_server)})")
+    for row in rows:
+        if args.baseline is not None:
+            row["vs_baseline"] = compare_to_baseline(per_server[row["server"]], per_server[args.baseline])
+        if args.reference is not None:
+            row["same_output"] = same_outputs(per_server[row["server"]], per_server[args.reference])
+    argv = getattr(args, "argv", None)
+    command = "python -m eval.replay " + shlex.join(argv) if argv is not None else shlex.join(sys.argv)
+    report = {"command": command, "trace": trace_info,
+              "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                          if k != "argv"},
+              "model": str(model), "start_load": start_load.as_dict(),
+              "references": {"ideal_tokens": refs["ideal"].total, "lru_bound_tokens": refs["lru"].total,
+                             "lru_capacity_tokens": args.max_total_tokens},
+              "servers": rows}
+    (args.out / "report.json").write_text(json.dumps(report, indent=2))
+    (args.out / "report.md").write_text(report_markdown(report))
+    ttfts = {r["server"]: [x["ttft_s"] for x in per_server[r["server"]] if x["ok"]]
+             for r in rows if r["ttft_s"] is not None}
+    plot(args.out / "replay.png", per_server, ttfts, refs["ideal"].per_request, refs["lru"].per_request,
+         replay_title(trace_info, args))
+    return report
