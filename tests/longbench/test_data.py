@@ -244,7 +244,7 @@ def test_load_hub_without_datasets_package(monkeypatch):
 
 def test_importing_the_package_is_cheap():
     code = (
-        "import sys, eval.longbench.data, eval.longbench.metrics, eval.longbench.config;"
+        "import sys, eval.longbench.data, eval.longbench.metrics, eval.longbench.scoring, eval.longbench.config;"
         "print(sorted(m for m in ('datasets', 'jieba', 'rouge_score', 'nltk') if m in sys.modules))"
     )
     out = subprocess.run(
