@@ -6,9 +6,13 @@ Pure core (no SGLang import): `store` (chunk cache keyed by content and model), 
 transformers models (registration, assembly, greedy decode) as the ground truth the SGLang adapter
 must reproduce.
 
-Serving (`--radix-cache-backend linearkv`): `serving` (config, request fields, per-request record;
-pure) and `sglang_cache` (the SGLang adapter, served from here on first use, so importing this face
-loads no SGLang module); `metrics` (Prometheus counters).
+Serving (`--radix-cache-backend linearkv`), pure: `config` (the server's config, selectors and
+state rules, namespaces), `plan` (a request's chunk plan), `serving` (the per-request record and
+its summary; also serves the names of `config` and `plan`), `metrics` (Prometheus counters). The
+SGLang adapter, served from here on first use (so importing this face loads no SGLang module):
+`sglang_cache` (match and release), `assembly` (admission), `mamba_component` (state rules per
+request kind), `model_layers` (rotary layers, KV relocation), `prepass` (EPIC's heads in the
+worker), `factory` (start-up).
 """
 
 from typing import Any
@@ -45,8 +49,10 @@ from sglang_ext.linearkv.serving import (
 from sglang_ext.linearkv.serving import parse_config as parse_server_config
 from sglang_ext.linearkv.store import ChunkEntry, ChunkReferenceError, ChunkStore, LinearLayerState, chunk_id
 
-#: names served from `sglang_cache` (it imports SGLang), loaded on first use
-_FROM_CACHE = ("LinearKVRadixCache", "linearkv_cache_factory", "linearkv_record", "server_linearkv_config")
+#: names served from the SGLang adapter's modules (they import SGLang), loaded on first use
+_FROM_ADAPTER = {"LinearKVRadixCache": "sglang_cache", "linearkv_record": "sglang_cache",
+                 "linearkv_cache_factory": "factory", "server_linearkv_config": "factory"}
+_FROM_CACHE = tuple(_FROM_ADAPTER)
 
 __all__ = ["STATE_RULES", "get_state_rule", "SELECTOR_KINDS", "Selector", "parse_selector", "ChunkEntry",
            "ChunkReferenceError", "ChunkStore", "LinearLayerState", "chunk_id",
@@ -58,8 +64,8 @@ __all__ = ["STATE_RULES", "get_state_rule", "SELECTOR_KINDS", "Selector", "parse
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_CACHE:
-        from sglang_ext.linearkv import sglang_cache
+    if name in _FROM_ADAPTER:
+        import importlib
 
-        return getattr(sglang_cache, name)
+        return getattr(importlib.import_module(f"sglang_ext.linearkv.{_FROM_ADAPTER[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

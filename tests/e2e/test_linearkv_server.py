@@ -148,7 +148,7 @@ def _expected(prefix, chunks, question, state, selector="none") -> dict:
 
     ids, spans = _layout(prefix, chunks)
     plan = plan_chunks({"chunks": spans, "state": state, "selector": selector}, len(ids) + len(question),
-                       LinearKVConfig(min_chunk_tokens=8))
+                       LinearKVConfig(min_chunk_tokens=8), can_compose=True)
     return {"chunks_hit": len(chunks), "chunks_missed": 0,
             "reused_tokens": plan.chunk_tokens - plan.recomputed_chunk_tokens,
             "recomputed_tokens": len(ids) + len(question) - plan.forward_start + plan.head_tokens,

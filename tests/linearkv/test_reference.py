@@ -85,7 +85,7 @@ def test_exact_composition_equals_sequential_prefill(tiny):
     def keep_first(i, args, kwargs):            # the context's call, not the question's
         inputs.setdefault(i, (args[0] if args else kwargs["hidden_states"]).detach().clone())
 
-    hooks = [R._mixer(model, layout, i).register_forward_pre_hook(
+    hooks = [R.mixer_of(model, layout, i).register_forward_pre_hook(
         lambda m, a, kw, i=i: keep_first(i, a, kw), with_kwargs=True) for i in layout.linear_layers]
     try:
         full = R.full_prefill(model, layout, context, question)
@@ -133,7 +133,7 @@ def test_relocated_keys_equal_keys_computed_at_the_new_positions(tiny):
     ids = _ids(40, 4)
     entry = R.register(model, layout, ids)
     for delta in (1, 37, 1000):
-        cache = R._new_cache(model)
+        cache = R.new_cache(model)
         model(torch.tensor([ids]), position_ids=(delta + torch.arange(40))[None], past_key_values=cache, use_cache=True)
         for i in layout.attention_layers:
             moved = R.relocated_keys(layout, entry.kv[i][0], delta)

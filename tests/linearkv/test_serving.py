@@ -36,15 +36,15 @@ def test_selector_config_epic_k():
 
 def test_epic_heads_are_the_first_k_tokens_of_every_chunk_clipped():
     config = parse_config('{"selector": "epic-6", "min_chunk_tokens": 1}')
-    plan = plan_chunks({"chunks": [[3, 20], [20, 24], [24, 40]]}, 50, config)
+    plan = plan_chunks({"chunks": [[3, 20], [20, 24], [24, 40]]}, 50, config, can_compose=True)
     assert plan.heads == ((3, 9), (20, 24), (24, 30)) and plan.head_tokens == 16 and plan.selector == "epic-6"
     # per request: "none", "epic" (the server's k, else 16), "epic-<k>"
-    assert plan_chunks({"chunks": [[3, 20]], "selector": "none"}, 50, config).heads == ()
-    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic"}, 50, config).heads == ((3, 9),)
-    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic"}, 50, LinearKVConfig(min_chunk_tokens=1)).k == 16
-    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic-2"}, 50, config).heads == ((3, 5),)
+    assert plan_chunks({"chunks": [[3, 20]], "selector": "none"}, 50, config, can_compose=True).heads == ()
+    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic"}, 50, config, can_compose=True).heads == ((3, 9),)
+    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic"}, 50, LinearKVConfig(min_chunk_tokens=1), can_compose=True).k == 16
+    assert plan_chunks({"chunks": [[3, 40]], "selector": "epic-2"}, 50, config, can_compose=True).heads == ((3, 5),)
     with pytest.raises(ValueError, match=r"custom_params.linearkv.selector: 'cacheblend-15' is not served"):
-        plan_chunks({"chunks": [[3, 40]], "selector": "cacheblend-15"}, 50, config)
+        plan_chunks({"chunks": [[3, 40]], "selector": "cacheblend-15"}, 50, config, can_compose=True)
 
 
 @pytest.mark.parametrize(("text", "needle"), [
@@ -67,10 +67,10 @@ def test_bad_config_names_the_key(text, needle):
 
 def test_plan_chunks_accepts_contiguous_spans_and_joins_short_ones():
     config = LinearKVConfig(min_chunk_tokens=10)
-    plan = plan_chunks({"chunks": [[5, 20], [20, 24], [24, 40]]}, 50, config)
+    plan = plan_chunks({"chunks": [[5, 20], [20, 24], [24, 40]]}, 50, config, can_compose=True)
     assert plan == ChunkPlan(((5, 20), (20, 40)), "predecessor")
     assert (plan.prefix_end, plan.question_start, plan.chunk_tokens) == (5, 40, 35)
-    assert plan_chunks({"chunks": [[0, 4]], "state": "zero"}, 10, config) is None   # all joined into Q
+    assert plan_chunks({"chunks": [[0, 4]], "state": "zero"}, 10, config, can_compose=True) is None   # all joined into Q
 
 
 @pytest.mark.parametrize(("value", "needle"), [
@@ -83,12 +83,12 @@ def test_plan_chunks_accepts_contiguous_spans_and_joins_short_ones():
 ])
 def test_bad_spans_name_the_field(value, needle):
     with pytest.raises(ValueError, match=needle):
-        plan_chunks(value, 50, LinearKVConfig(min_chunk_tokens=1))
+        plan_chunks(value, 50, LinearKVConfig(min_chunk_tokens=1), can_compose=True)
 
 
 def test_compose_only_where_the_model_composes():
     config = LinearKVConfig(min_chunk_tokens=1)
-    assert plan_chunks({"chunks": [[0, 10]], "state": "compose"}, 20, config).state == "compose"
+    assert plan_chunks({"chunks": [[0, 10]], "state": "compose"}, 20, config, can_compose=True).state == "compose"
     with pytest.raises(ValueError, match="served for Mamba-2 models only"):
         plan_chunks({"chunks": [[0, 10]], "state": "compose"}, 20, config, can_compose=False)
     assert composes(["mamba", "attention"], "nemotron_h")
@@ -177,7 +177,7 @@ def test_kv_events_recorder_leaves_chunk_nodes_out():
     from sglang.srt.mem_cache.events import KVCacheEventRecorder
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    from sglang_ext.linearkv.sglang_cache import hide_chunk_events
+    from sglang_ext.linearkv.factory import hide_chunk_events
 
     recorder = KVCacheEventRecorder(enabled=True, page_size=1)
     hide_chunk_events(recorder)
@@ -201,12 +201,12 @@ def test_replay_rule_plans_its_spans():
     assert state_rule("replay") == ("replay", 64) and state_rule("replay-8") == ("replay", 8)
     assert state_rule("zero") == ("zero", 0) and state_rule("replay-0") == ("replay-0", 0)
     with pytest.raises(ValueError, match="custom_params.linearkv.state"):
-        plan_chunks({"chunks": [[10, 30]], "state": "replay-x"}, 40, LinearKVConfig())
-    plan = plan_chunks({"chunks": [[10, 30], [30, 60]], "state": "replay-16"}, 70, LinearKVConfig())
+        plan_chunks({"chunks": [[10, 30]], "state": "replay-x"}, 40, LinearKVConfig(), can_compose=True)
+    plan = plan_chunks({"chunks": [[10, 30], [30, 60]], "state": "replay-16"}, 70, LinearKVConfig(), can_compose=True)
     assert (plan.state, plan.replay, plan.forward_start, plan.heads) == ("replay", 16, 44, ())
     assert plan.recomputed_chunk_tokens == 16 and plan.seeds_zero and not keeps_state(plan)
     # never back into P: a replay longer than the chunks starts at P's end
-    assert plan_chunks({"chunks": [[10, 30]], "state": "replay"}, 40, LinearKVConfig()).forward_start == 10
+    assert plan_chunks({"chunks": [[10, 30]], "state": "replay"}, 40, LinearKVConfig(), can_compose=True).forward_start == 10
     # EPIC: head j > 0 starts up to r tokens back, never before head j-1's end; the question too
     epic = ChunkPlan(((10, 14), (14, 60)), "replay", k=4, replay=8)
     assert epic.heads == ((10, 14), (14, 18)) and epic.forward_start == 52
@@ -215,3 +215,51 @@ def test_replay_rule_plans_its_spans():
     assert epic.head_tokens == 16 and epic.recomputed_chunk_tokens == 24
     assert ChunkPlan(((10, 30),), "predecessor", k=4).forward_start == 30
     assert keeps_state(ChunkPlan(((10, 30),), "predecessor")) and keeps_state(ChunkPlan(((10, 30),), "compose"))
+
+
+def test_the_scheduler_parses_a_record_with_the_plan_the_tokenizer_validated():
+    """One parse site (`plan_chunks`, no can_compose default): the scheduler's record of a
+    `compose` request on a model that cannot compose is a plain prefill saying why (the tokenizer
+    refused the same field with a 400); a registration is a registration; a layout cut by
+    --allow-auto-truncate falls back; no field, no record."""
+    from sglang_ext.linearkv.serving import parse_record
+
+    config = LinearKVConfig(min_chunk_tokens=1)
+    custom = {"linearkv": {"chunks": [[0, 10]], "state": "compose"}}
+    assert parse_record(custom, 20, config, can_compose=True).plan.state == "compose"
+    refused = parse_record(custom, 20, config, can_compose=False)
+    assert refused.plan is None and "Mamba-2 models only" in refused.fallback and refused.declared_chunks == 1
+    with pytest.raises(ValueError, match="Mamba-2 models only"):   # the tokenizer's answer (HTTP 400)
+        plan_chunks(custom["linearkv"], 20, config, can_compose=False)
+    with pytest.raises(TypeError):   # no default: every caller states what its model does
+        plan_chunks(custom["linearkv"], 20, config)
+    reg = parse_record({"linearkv": {"register": True, "keep_state": False}}, 10, config, can_compose=False)
+    assert reg.register and not reg.keep_state
+    cut = parse_record({"linearkv": {"chunks": [[0, 10]]}}, 10, config, can_compose=True)
+    assert cut.fallback is not None and "10-token prompt as served" in cut.fallback
+    assert parse_record({"other": 1}, 10, config, can_compose=True) is None
+    assert parse_record(None, 10, config, can_compose=True) is None
+
+
+def test_each_request_kind_has_one_caching_rule():
+    """The Mamba component's table: what each kind inserts and does with its state."""
+    from sglang_ext.linearkv.mamba_component import CACHING, request_kind
+
+    plan = ChunkPlan(((4, 20),), "predecessor")
+    kinds = [
+        (None, "plain"),
+        (LinearKVRequest(plan=plan), "fallback"),
+        (LinearKVRequest(fallback="cut"), "fallback"),
+        (LinearKVRequest(plan=plan, assembled=True), "assembled"),
+        (LinearKVRequest(register=True), "register_state"),
+        (LinearKVRequest(register=True, keep_state=False), "register_kv"),
+        (LinearKVRequest(register=True, register_hit=True), "register_hit"),
+        (LinearKVRequest(register=True, keep_state=False, register_hit=True), "register_hit"),
+    ]
+    assert {kind for _, kind in kinds} == set(CACHING)
+    for record, kind in kinds:
+        assert request_kind(record) == kind
+    assert (CACHING["assembled"].inserts, CACHING["assembled"].when_cached) == ("prefix", "withhold")
+    assert CACHING["register_state"].when_cached == "end" and CACHING["register_hit"].at_match == "clear"
+    assert all(CACHING[k].inserts == "all" for k in ("register_kv", "register_state", "register_hit"))
+    assert all(set(vars(rule).values()) == {"tail_replay"} for k, rule in CACHING.items() if k in ("plain", "fallback"))
