@@ -33,10 +33,10 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
+from sglang_ext.tail_replay.branch_rules import continues_a_prompt  # noqa: E402
 from sglang_ext.tail_replay.cache import (  # noqa: E402
     TailReplayMambaComponent,
     TailReplayRadixCache,
-    _continues_a_prompt,
     answer_from,
     provenance_of,
 )
@@ -623,20 +623,20 @@ def test_the_tree_knows_where_an_answer_begins_through_splits_and_which_matches_
     inside = h.admit(a[:30] + seq(31_000, 10))           # its match ends at 30, inside the prompt
     assert plan_of(inside).matched_tokens == 30
     assert answer_from(depth_of(30)) is None and answer_from(depth_of(46)) == 10
-    assert _continues_a_prompt(depth_of(30))
+    assert continues_a_prompt(depth_of(30))
     h.finish(inside)
     next_turn = h.admit(a + seq(32_000, 8))              # the same conversation: prompt + a new turn
     assert plan_of(next_turn).matched_tokens == 40
     assert answer_from(depth_of(40)) is None and answer_from(depth_of(46)) == 0
-    assert not _continues_a_prompt(depth_of(40))
+    assert not continues_a_prompt(depth_of(40))
     h.finish(next_turn, output=seq(91_000, 3))
     assert answer_from(depth_of(51)) == 8                # its own answer, after its 48-token prompt
-    assert _continues_a_prompt(depth_of(40))             # a prompt goes on there now (the new turn's)
+    assert continues_a_prompt(depth_of(40))             # a prompt goes on there now (the new turn's)
     h.assert_no_leak()
 
 
 def test_a_shared_state_repair_is_asked_again_only_after_the_resend_delay():
-    from sglang_ext.tail_replay import cache as cache_module
+    from sglang_ext.tail_replay import branch_rules
 
     h = Harness(1)
     a = seq(30_000, 40)
@@ -648,8 +648,8 @@ def test_a_shared_state_repair_is_asked_again_only_after_the_resend_delay():
     asked = [record_of(h.run(base + seq(34_000 + i, 4), {"keep_checkpoints": False})).shared_repair
              for i in range(2)]
     assert asked == [48, None]
-    with mock.patch.object(cache_module.time, "monotonic",
-                           return_value=cache_module.time.monotonic() + cache_module.SHARED_REPAIR_RESEND_S + 1):
+    with mock.patch.object(branch_rules.time, "monotonic",
+                           return_value=branch_rules.time.monotonic() + branch_rules.SHARED_REPAIR_RESEND_S + 1):
         assert record_of(h.run(base + seq(36_000, 4), {"keep_checkpoints": False})).shared_repair == 48
     off = h.run(base + seq(37_000, 4), {"keep_checkpoints": False, "repair_shared": False})
     assert record_of(off).shared_repair is None
@@ -707,4 +707,30 @@ def test_one_record_per_request_with_its_config_resolved_once():
     assert record.config == dataclasses.replace(CONFIG, budget=0.5, min_replay_tokens=0)
     assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
     assert not [name for name in vars(req) if name.startswith("tail_replay")]   # no loose attributes
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_a_match_walks_its_path_once(page):
+    """The matched path is walked once per match (the branch-point track's finalizer in the tree
+    core) and handed on: the planner, the tail's KV slots and the repair rules read that walk."""
+    from sglang_ext.tail_replay.tree_provenance import MatchedPath
+
+    h = Harness(page)
+    h.run(A)
+    h.run(A[:30] + seq(6000, 10))                      # the tree branches at 30 (28)
+    fresh = []
+    original = MatchedPath.walk.__func__
+
+    def counting(cls, tree_core, node, known=None):
+        path = original(cls, tree_core, node, known)
+        if known is None or path.nodes[:len(known.nodes)] != known.nodes:
+            fresh.append(len(path.nodes))               # walked from scratch
+        return path
+
+    with mock.patch.object(MatchedPath, "walk", classmethod(counting)):
+        req = h.admit(A[:36] + seq(7000, 10), {"exactness": "exact"})
+    assert len(fresh) == 1 and fresh[0] >= 2, fresh
+    assert plan_of(req).matched_tokens == floor_page(36, page)
+    h.finish(req)
     h.assert_no_leak()

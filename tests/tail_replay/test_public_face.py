@@ -27,10 +27,11 @@ def _imported_modules(path: Path) -> list[tuple[int, str]]:
 
 
 def _outside_the_wing() -> list[Path]:
-    """Every product and evaluation file outside the wing: patches, the top-level modules, the
-    other wings (subpackages), eval and benchmarks."""
+    """Every product and evaluation file outside the wing: the patches (top-level `patches/`), the
+    top-level modules, the other wings (subpackages), eval and benchmarks."""
     wing = ROOT / "sglang_ext" / "tail_replay"
-    product = [*sorted(p for p in (ROOT / "sglang_ext").rglob("*.py") if wing not in p.parents),
+    product = [*sorted((ROOT / "patches").rglob("*.py")),
+               *sorted(p for p in (ROOT / "sglang_ext").rglob("*.py") if wing not in p.parents),
                *sorted((ROOT / "eval").rglob("*.py")), *sorted((ROOT / "benchmarks").rglob("*.py"))]
     assert any(p.name.startswith("tail_replay_") for p in product)   # the scan sees the patches
     assert any("linearkv" in p.parts for p in product)                # and the other wings

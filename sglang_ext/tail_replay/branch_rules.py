@@ -1,0 +1,185 @@
+"""The branch and shared-state repair rules (SGLang adapter): where a request tracks its state at a
+branch point (`BranchPointTrack`, a mixin of `TailReplayMambaComponent`) and when a match asks for
+a shared state's exact recomputation (`SharedRepairRules`, a mixin of `TailReplayRadixCache`; the
+pure decisions are `tail_replay.repair`'s).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+from sglang_ext.tail_replay.provenance import PathProvenance
+from sglang_ext.tail_replay.repair import SHARED_REPAIR_RESEND_S, branch_repair_due, shared_repair_due
+from sglang_ext.tail_replay.request import TailReplayRequest
+from sglang_ext.tail_replay.tree_provenance import SHARED_REPAIR_ATTR, MatchedPath, Planned, answer_from
+
+
+def continues_a_prompt(node: Any) -> bool:
+    """Whether a path going on below `node` (which ends where a match ended) goes on with prompt
+    tokens: some child's first token is not a generated answer's (`answer_from` is not 0)."""
+    return any(answer_from(child) != 0 for child in node.children.values())
+
+
+def branches_below(node: Any, component_type: Any) -> int:
+    """How many ways the tree branches below `node` before its next state: the children of the
+    first node down its single-child line that has other than one child; 1 when a state sits on
+    that line first (a conversation that moved past `node`), 0 when the line ends in a leaf."""
+    while len(node.children) == 1:
+        node = next(iter(node.children.values()))
+        if node.component_data[component_type].value is not None:
+            return 1
+    return len(node.children)
+
+
+class BranchPointTrack:
+    """SGLang's branch-point checkpoint (extra_buffer) under Tail-Replay's deeper matches."""
+
+    def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
+        """SGLang's branch-point checkpoint (extra_buffer): the request tracks its state at the end
+        of the KV match (on the checkpoint grid) when no state sits that deep, so the next request
+        that branches there resumes from a state, as on stock SGLang (whose match ends at the
+        deepest state; here it runs as deep as the KV). The state is stored with the request's
+        bound there (exact, or approximate).
+
+        The match counts only as deep as KV stock SGLang would still hold (`_kept_by_stock`):
+        a branch-point state is tracked in place of the request's own deepest state, and the
+        request's insert then stops there (the extra buffer inserts up to the tracked state).
+        Where the match runs into KV whose state was freed and below which no state is left
+        (stock drops such a path with its last state; here state pressure keeps the KV), the
+        request is not branching off anything: it tracks, and inserts, as deep as its own
+        prompt, as on stock.
+
+        The matched path is walked here, once, and handed to the cache's planner
+        (`TailReplayRadixCache.matched_path`). May mutate: the cache's matched path."""
+        if params.req is not None and self.cache.request_record(params.req).config.repair_kind == "shared_state":
+            return result._replace(mamba_branching_seqlen=None)   # the run keeps its end state only
+        path = MatchedPath.walk(self.tree_core, result.last_device_node)   # a node here, not an id
+        self.cache.remember_matched_path(path)
+        depth, state_depth = result.device_prefix_len, 0
+        for node in reversed(path.nodes):
+            if node.component_data[self.component_type].value is not None:
+                state_depth = depth
+                break
+            depth -= len(node.key)
+        grid = self.mamba_checkpoint_grid
+        aligned = result.full_kv_hit_length // grid * grid
+        if aligned > state_depth and not result.host_hit_length:   # only then can the part stock holds matter
+            aligned = self._depth_kept_by_stock(result, path) // grid * grid
+        return result._replace(mamba_branching_seqlen=aligned if aligned > state_depth else None)
+
+    def _depth_kept_by_stock(self, result, path: MatchedPath) -> int:
+        """How deep the match runs in KV stock SGLang would still hold: up to the deepest matched
+        node `_kept_by_stock` (the deepest state on the path is one). Reads only."""
+        depth, below = result.device_prefix_len, None
+        for node in reversed(path.nodes):
+            if self._kept_by_stock(node, below):
+                return depth + (result.full_kv_hit_length - result.device_prefix_len)
+            below = node
+            depth -= len(node.key)
+        return depth
+
+    def _kept_by_stock(self, node: Any, known_stateless: Any = None) -> bool:
+        """Whether stock SGLang would still hold `node`'s KV: a state (device or host) sits on it
+        or somewhere below it (stock frees a leaf whole with its state, and then the KV-only
+        nodes that become leaves). `known_stateless`: a child already searched. Reads only."""
+        ct = self.component_type
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            data = n.component_data[ct]
+            if data.value is not None or data.host_value is not None:
+                return True
+            stack.extend(c for c in n.children.values() if c is not known_stateless)
+        return False
+
+
+class SharedRepairRules:
+    """The cache's shared-state repair asks, made at the match (`_note_shared_repair`)."""
+
+    def _note_shared_repair(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> None:
+        """Shared-state repair (tail_replay/repair.py); asks at most once per request (an ask made
+        at an earlier match of the same request, one that waited for room, stands until it is
+        sent with the request's first output, `patches/tail_replay_meta.py`). Two rules:
+
+        - at the branch (`branch_repair_due`): under the extra buffer (stock SGLang keeps a state
+          where a request branches off the tree), a request whose plan is approximate and whose
+          match ends where the tree goes on and its prompt goes on differently asks for the exact
+          state at the checkpoint-grid depth below its match (`_branch_repair_depth`), where stock
+          SGLang's miss would have kept it, so that the next conversation that branches there
+          resumes exactly, as on stock.
+        - below a shared approximate state (`shared_repair_due`): when the matched path's deepest
+          state does not count as exact and conversations branch from it (the tree branches below
+          its node before any other state, `branches_below`), the request asks for its repair.
+          The repair run's exact state lands at its end, or under the extra buffer on the
+          checkpoint grid below it.
+
+        Once an exact state sits as deep as a repair's would land, nothing is asked. Once per
+        node: the node the state lands on is marked when asked, and asked again only after
+        `SHARED_REPAIR_RESEND_S` (if the repair never landed); a state stored on the node clears
+        the mark (`commit_insert_component_data`). May mutate: the record's `shared_repair`, a
+        node's mark, the tree's node boundaries (the node at the branch rule's depth is split
+        off, so that the mark sits where the state will land)."""
+        if record.shared_repair is not None:
+            return
+        depth = self._branch_repair_depth(record, planned, prompt_len)
+        if depth is not None:
+            node = self.tree_core.node_by_id(self._node_at_depth(planned.path, depth))
+        else:
+            prov = planned.prov
+            if not prov.states:
+                return
+            deepest = prov.states[0]
+            node = self.tree_core.node_by_id(deepest.node_id)
+            if not shared_repair_due(record.config, bound=deepest.bound,
+                                     branches=branches_below(node, ComponentType.MAMBA)):
+                return
+            grid = self._repair_grid()
+            lands = deepest.depth // grid * grid
+            if lands == 0 or self._exact_state_as_deep(record, prov, lands):
+                return   # nothing to land, or it has landed: an exact state as deep as a repair's would be
+            depth = deepest.depth
+        now = time.monotonic()
+        if now - getattr(node, SHARED_REPAIR_ATTR, -math.inf) < SHARED_REPAIR_RESEND_S:
+            return
+        setattr(node, SHARED_REPAIR_ATTR, now)
+        record.shared_repair = depth
+
+    def _repair_grid(self) -> int:
+        """Where a repair run's state lands below its end: the extra buffer's checkpoint grid (its
+        end state without the extra buffer)."""
+        return self.components[ComponentType.MAMBA].mamba_checkpoint_grid if self.enable_mamba_extra_buffer else 1
+
+    @staticmethod
+    def _exact_state_as_deep(record: TailReplayRequest, prov: PathProvenance, depth: int) -> bool:
+        exact = prov.deepest_exact_state(record.config.exact_threshold, strict=False)
+        return exact is not None and exact.depth >= depth
+
+    def _branch_repair_depth(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> int | None:
+        """The branch rule of `_note_shared_repair`: the depth of the exact state to ask for (the
+        match's end on the checkpoint grid), or None. Only where the repair run keeps a state
+        there (the extra buffer, on a server that keeps checkpoints). The tree branches at the
+        match's end when the matched path goes on past it (SGLang's match splits the node it ends
+        in, so the last matched node has children) and so does the request's prompt (its match did
+        not stop at the end of what SGLang matches: the prompt but its last token, in whole
+        pages), and a path going on past it is another request's prompt (`continues_a_prompt`):
+        where every path going on is an earlier request's generated answer, the request is that
+        conversation's next turn (or a retry), which branches off its own history, not off a
+        prefix that conversations share (its own states are `repair: true`'s). Reads only."""
+        plan = planned.plan
+        matched, approximate = plan.matched_tokens, not plan.state_is_exact
+        # the children are scanned last, and only for an approximate plan (this runs at every match)
+        branches_here = (approximate and 0 < matched < (prompt_len - 1) // self.page_size * self.page_size
+                         and continues_a_prompt(self.tree_core.node_by_id(planned.last_node)))
+        keeps = self.enable_mamba_extra_buffer and self.tail_replay_config.keep_checkpoints
+        if not branch_repair_due(record.config, approximate=approximate, branches_here=branches_here,
+                                 keeps_branch_states=keeps):
+            return None
+        grid = self._repair_grid()
+        depth = matched // grid * grid
+        if depth == 0 or self._exact_state_as_deep(record, planned.prov, depth):
+            return None
+        return depth
