@@ -17,9 +17,9 @@ import math
 from pathlib import Path
 
 from eval.training import tasks
+from eval.training.config import CURRICULUM, TASK_WEIGHTS
 from eval.training.decay import markdown as decay_markdown
 from eval.training.evaluate import markdown_table
-from eval.training.train import CURRICULUM, TASK_WEIGHTS
 
 ARCH_TEXT = {
     "gdn": "Qwen3-Next (`Qwen3NextForCausalLM`): 8 layers, 6 Gated DeltaNet + 2 gated full-attention "

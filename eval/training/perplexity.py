@@ -27,7 +27,7 @@ from eval.quality.perplexity import SOURCES, make_samples
 
 def token_nll(model: Any, ids: list[int]) -> torch.Tensor:
     """NLL [len(ids) - 1] of every token after the first, given all tokens before it."""
-    from eval.training.train import per_token_loss
+    from eval.training.loss import per_token_loss
 
     with torch.no_grad():
         return per_token_loss(model, torch.tensor([ids]))[0]

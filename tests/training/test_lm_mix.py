@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from eval.training import tasks
+from eval.training.batches import batch_at
+from eval.training.config import TrainConfig
+from eval.training.export import export
+from eval.training.loss import loss_terms
+from eval.training.run import Run
 from eval.training.text import TextPool
-from eval.training.train import Run, TrainConfig, batch_at, export, loss_terms, main
+from eval.training.train import main
 
 CFG = TrainConfig(arch="mamba2", tokens=4096, tokens_per_step=512, warmup_steps=1, lengths=(128,), weight_decay=0.0)
 PASSAGES = {"a": ["alpha beta gamma delta. " * 40], "b": ["one two three four five. " * 30, "six seven eight. " * 20]}
@@ -135,7 +140,7 @@ def test_bad_mix_flags_are_refused_by_name(tmp_path, capsys, flags, named):
 def test_fit_minutes_times_the_lengths_stage(tmp_path):
     import json
 
-    from eval.training.train import _fitted
+    from eval.training.fit import fitted as _fitted
 
     cfg = TrainConfig(arch="mamba2", tokens_per_step=256, lengths=(64, 128))
     fitted = _fitted(cfg, tmp_path, 1.0, "cpu")

@@ -66,7 +66,7 @@ def test_unknown_task_is_named(tokenizer):
 
 
 def test_held_out_variants_are_not_trained_on():
-    from eval.training.train import TASK_WEIGHTS
+    from eval.training.config import TASK_WEIGHTS
 
     assert set(TASK_WEIGHTS) == set(tasks.TRAIN_TASKS)
     assert not set(TASK_WEIGHTS) & set(tasks.HELD_OUT_TASKS)

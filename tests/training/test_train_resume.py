@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from eval.training import tasks
-from eval.training.train import Run, TrainConfig, batch_at, batches_from, export, lengths_at, stage_at
+from eval.training.batches import batch_at, batches_from
+from eval.training.config import TrainConfig, lengths_at, stage_at
+from eval.training.export import export
+from eval.training.run import Run
 
 CFG = TrainConfig(arch="mamba2", tokens=1200, tokens_per_step=512, warmup_steps=2)
 
@@ -69,7 +72,7 @@ def test_export_is_a_bf16_hf_folder_transformers_loads(tmp_path):
 
 
 def test_fit_tokens_sizes_the_budget_from_timed_passes():
-    from eval.training.train import fit_tokens
+    from eval.training.fit import fit_tokens
 
     curriculum = ((0.25, (32, 64), 1.0), (1.0, (128,), 1.0))
     cfg = TrainConfig(arch="mamba2", tokens_per_step=256)
