@@ -138,3 +138,178 @@ def test_removed_artefacts_cited_by_commit_are_in_their_manifest():
 def test_linearkv_reference_records_read_from_the_committed_gzip():
     records = load_records(ROOT / "docs" / "results" / "linearkv" / "results.jsonl.gz")
     assert len(records) > 100 and all(r["key"] == k for k, r in records.items())
+
+
+# --- every number in a results table is a value of the file it cites ----------------------------
+# Convention (README.md, docs/*.md): a results table sits right under a comment naming its sources,
+#     <!-- results: docs/results/RUN/report.json [more files] [; from per-request files: COLUMN, ...] -->
+# (paths from the repository root; JSON, per-request .jsonl.gz, or the .md table a run wrote). Every
+# number in the table's body, outside its first column (the row's name) and outside `code`, must be
+# a value of those files at the precision it is printed with: as stored, as a percentage of a
+# fraction (x 100), in ms of a value in s (x 1000), per request (a count divided by the run's
+# `requests`) or as a share of a list (a worker's part of the prompt tokens). Columns named after
+# "; from per-request files:" hold counts that a command printed beside the table (or in the
+# section the text names) computes from the committed per-request files (outputs equal to another
+# run's, requests reusing more than another server), those after "; derived:" ratios of two cited
+# values (a run against
+# another), and those after "; settings:" the set-up a row ran with, not a measurement; all are
+# exempt and must exist in the header (a clause may name a row instead: its first cell). `<X` is a
+# bound: some value below X matches. A table whose
+# body holds a measured number (a decimal, a percentage, a ratio) without such a comment fails;
+# `<!-- not results: why -->` marks a table of settings or formulas instead.
+
+_EXEMPT = ("from per-request files", "derived", "settings")
+_COMMENT = re.compile(r"<!--\s*(results|not results):(.*?)-->", re.S)
+_NUMBER = re.compile(r"(?<![\w.\-/^<])(<\s?)?(\d{1,3}(?:,\d{3})+|\d+(?:\.\d+)?(?:e-?\d+)?)(?=(?:x|s|ms|%)?(?![\w.]))")
+_MEASURED = re.compile(r"\d\.\d|\d\s?%|\d(?:\.\d+)?x\b")
+
+
+def _cells(row: str) -> list[str]:
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+def _tables(doc: Path) -> list[tuple[int, str | None, list[str]]]:
+    """(line of the header, the comment right above it or None, the table's rows)."""
+    lines = doc.read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|[\s:|-]+\|\s*$", lines[i + 1]):
+            j = i
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            k = i - 1
+            while k >= 0 and not lines[k].strip():
+                k -= 1
+            above = None
+            if k >= 0 and lines[k].rstrip().endswith("-->"):
+                start = k
+                while start > 0 and "<!--" not in lines[start]:
+                    start -= 1
+                above = "\n".join(lines[start:k + 1])
+            out.append((i + 1, above, lines[i:j]))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def _numbers(text: str) -> list[tuple[float, float]]:
+    """(value, half a unit of its last printed digit) of each number in a cell; a bound written
+    `<X` comes back as (X, -1): any value in [0, X) matches it."""
+    text = re.sub(r"`[^`]*`", " ", text).replace("**", "")
+    out = []
+    for m in _NUMBER.finditer(text):
+        raw = m.group(2).replace(",", "")
+        mant, _, exp = raw.partition("e")
+        decimals = len(mant.partition(".")[2])
+        out.append((float(raw), -1.0 if m.group(1) else 0.5 * 10 ** (-decimals) * (10 ** int(exp) if exp else 1)))
+    return out
+
+
+def _pool(path: Path) -> list[float]:
+    """The values a table citing `path` may print."""
+    if path.name.endswith(".jsonl.gz"):
+        data = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
+    elif path.suffix == ".json":
+        data = json.loads(path.read_text())
+    else:   # a table the run wrote
+        return [v for v, _ in _numbers(path.read_text())]
+    out: list[float] = []
+
+    def walk(x):
+        if isinstance(x, dict):
+            n = x.get("requests")
+            for v in x.values():
+                walk(v)
+                if isinstance(n, int) and n > 0 and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    out.append(v / n)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+            nums = [v for v in x if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            if nums and sum(nums) > 0:
+                out.extend(v / sum(nums) for v in nums)   # each worker's share
+        elif isinstance(x, (int, float)) and not isinstance(x, bool):
+            out.append(float(x))
+    walk(data)
+    return out
+
+
+def _matches(value: float, half: float, pool: list[float]) -> bool:
+    if half < 0:
+        return any(0 <= v * scale < value for v in pool for scale in (1, 100, 1000))
+    tol = half * (1 + 1e-9) + 1e-12
+    return any(abs(v * scale - value) <= tol for v in pool for scale in (1, 100, 1000))
+
+
+def _results_tables():
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line, comment, rows in _tables(doc):
+            yield f"{doc.relative_to(ROOT)}:{line}", comment, rows
+
+
+def _table_problems(where: str, comment: str | None, rows: list[str]) -> list[str]:
+    kind, body = _COMMENT.search(comment).groups() if comment and _COMMENT.search(comment) else (None, "")
+    header, body_rows = _cells(rows[0]), [_cells(r) for r in rows[2:]]
+    if kind is None:
+        measured = any(_MEASURED.search(re.sub(r"`[^`]*`", "", c)) for r in body_rows for c in r[1:])
+        return [f"{where}: a table of measured numbers without a <!-- results: FILE --> comment"] if measured else []
+    if kind == "not results":
+        return []
+    files_part, *clauses = body.split(";")
+    files = files_part.split()
+    exempt = []
+    for clause in clauses:
+        label, _, names = clause.partition(":")
+        if label.strip() not in _EXEMPT:
+            return [f"{where}: unknown clause {label.strip()!r} in the results comment (one of {_EXEMPT})"]
+        exempt += [c.strip() for c in names.split(",") if c.strip()]
+    problems = [f"{where}: cites {f}, which is not a file" for f in files if not (ROOT / f).is_file()]
+    if not files or problems:
+        return problems or [f"{where}: the results comment names no file"]
+    names = [r[0].replace("**", "") for r in body_rows]
+    missing = [c for c in exempt if not any(h.startswith(c) for h in [*header, *names])]
+    if missing:
+        return [f"{where}: exempt column(s) or row(s) {missing} in neither the header {header} nor the rows"]
+    pool = [v for f in files for v in _pool(ROOT / f)]
+    for r in body_rows:
+        if any(r[0].replace("**", "").startswith(c) for c in exempt):
+            continue
+        for col, cell in enumerate(r[1:], start=1):
+            name = header[col] if col < len(header) else f"column {col + 1}"
+            if any(name.startswith(c) for c in exempt):
+                continue
+            for value, half in _numbers(cell):
+                if not _matches(value, half, pool):
+                    problems.append(f"{where}: row {r[0]!r}, column {name!r}: {value:g} is in none of {files}")
+    return problems
+
+
+def test_results_tables_are_found():
+    tables = [t for t in _results_tables() if t[1] and "results:" in t[1] and "not results" not in t[1]]
+    assert len(tables) >= 30
+
+
+@pytest.mark.parametrize("where,comment,rows", [pytest.param(*t, id=t[0]) for t in _results_tables()])
+def test_every_number_in_a_results_table_is_in_its_file(where, comment, rows):
+    problems = _table_problems(where, comment, rows)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_number_that_drifted_from_its_file_is_named(tmp_path):
+    run = "docs/results/replay-kv48-heldout-kv-past-state/report.json"   # stock 80.3 %, Tail-Replay 83.6 %
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"text\n\n<!-- results: {run} -->\n| server | reused, of ideal | TTFT p50 s |\n|---|---:|---:|\n"
+                   "| stock | 80.3 % | 0.072 |\n| Tail-Replay | 83.7 % | 0.066 |\n\n| a | b |\n|---|---|\n| x | 1.5 % |\n")
+    (line, comment, rows), (line2, comment2, rows2) = _tables(doc)
+    assert _table_problems(f"doc.md:{line}", comment, rows) == [
+        f"doc.md:4: row 'Tail-Replay', column 'reused, of ideal': 83.7 is in none of ['{run}']"]
+    assert _table_problems(f"doc.md:{line2}", comment2, rows2) == [
+        "doc.md:9: a table of measured numbers without a <!-- results: FILE --> comment"]
+    exempt = comment.replace(" -->", "; from per-request files: reused -->")
+    assert _table_problems("doc.md:4", exempt, rows) == []
+    assert _table_problems("doc.md:4", comment.replace(" -->", "; derived: nothing -->"), rows) == [
+        "doc.md:4: exempt column(s) or row(s) ['nothing'] in neither the header "
+        "['server', 'reused, of ideal', 'TTFT p50 s'] nor the rows"]
+    assert _numbers("<0.0001 / **0.0057** (`w4-c8`) 316,928 8.2x") == [
+        (0.0001, -1.0), (0.0057, pytest.approx(5e-5)), (316928.0, 0.5), (8.2, pytest.approx(0.05))]
