@@ -58,13 +58,6 @@ def _table(rows: list[dict]) -> list[str]:
     return out
 
 
-def rerender(results_json: Path, header: dict) -> str:
-    """Markdown again from a saved ``results.json`` (e.g. after changing the layout)."""
-    import json
-
-    return markdown(annotate(json.loads(Path(results_json).read_text())), header)
-
-
 def plot(rows: list[dict], out_dir: Path) -> list[Path]:
     import matplotlib
 

@@ -58,10 +58,6 @@ def stage_at(progress: float) -> tuple[float, tuple[int, ...], float]:
     return next(stage for stage in CURRICULUM if progress < stage[0] or stage[0] == 1.0)
 
 
-def lengths_at(progress: float) -> tuple[int, ...]:
-    return stage_at(progress)[1]
-
-
 def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
