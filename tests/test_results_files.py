@@ -121,7 +121,9 @@ def test_manifest_check_names_a_changed_missing_or_unlisted_artefact(tmp_path, m
 def test_results_stay_small_and_per_request_files_gzipped():
     files = [p for p in (ROOT / "docs" / "results").rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) < 8_000_000
-    assert not [p for p in files if p.suffix == ".jsonl"], "per-request files are committed as .jsonl.gz"
+    plain = [str(p.relative_to(ROOT)) for p in files if p.suffix == ".jsonl"]
+    assert not plain, (f"{plain}: per-request files are committed gzipped (gzip -9n FILE), and only where a "
+                       "document quotes them; then scripts/results_manifest.py --write")
 
 
 def test_removed_artefacts_cited_by_commit_are_in_their_manifest():
