@@ -20,7 +20,9 @@ Two seams (SGLang 0.5.23):
   (text or token ids, LoRA and DP routing of the request's state) is sent again as a
   `GenerateReqInput` through `generate_request` in an asyncio task (drained, output dropped):
   `exactness: "exact"`, no state stored, `audit_of` = the rid, one greedy token, at the
-  least-favoured priority when the server runs `--enable-priority-scheduling`.
+  least-favoured priority when the server runs `--enable-priority-scheduling`. A background run
+  carries these values as the server's mark, out of band (`patches/tail_replay_request.py`:
+  `mark_background_run`), never as request fields a client could also send.
   An output that carries a repair sequence (`REPAIR_KEY` in a finished one, or `SHARED_REPAIR_KEY`
   in a request's first output; put there by `patches/tail_replay_meta.py`) has the key removed before SGLang's handler
   builds the response, and unless the request was aborted the sequence is sent the same way as
@@ -203,12 +205,15 @@ def _background_request(tokenizer_manager: Any, obj: Any, *, text: Any, input_id
     priority = None
     if getattr(tokenizer_manager, "enable_priority_scheduling", False):
         priority = sys.maxsize if get_schedule().schedule_low_priority_values_first else -sys.maxsize - 1
-    return GenerateReqInput(
-        text=text, input_ids=input_ids,
-        sampling_params={"max_new_tokens": 1, "temperature": 0, "custom_params": {"tail_replay": overrides}},
+    from sglang_ext.patches.tail_replay_request import mark_background_run
+    from sglang_ext.tail_replay import background_mark
+
+    run = GenerateReqInput(
+        text=text, input_ids=input_ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
         rid=f"tail-replay-{kind}-{uuid.uuid4().hex}", priority=priority,
         lora_path=getattr(obj, "lora_path", None), routed_dp_rank=getattr(obj, "routed_dp_rank", None),
         extra_key=getattr(obj, "extra_key", None), cache_salt=getattr(obj, "cache_salt", None))
+    return mark_background_run(run, background_mark(overrides))
 
 
 def repair_request(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any, kind: str = "answer") -> Any:

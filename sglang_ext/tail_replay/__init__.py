@@ -18,8 +18,9 @@ A request's route (SGLang 0.5.23), seam by seam:
    (`server_config`) against the flags (`startup.check_start`); every scheduler checks it again
    in `cache.tail_replay_cache_factory` (the KV dtype SGLang resolved). Arrival, tokenizer
    process: `patches/tail_replay_request.py` (`SamplingParams.verify`) checks the request's
-   `custom_params["tail_replay"]` with `request_overrides` against the server's refusals
-   (`request_limits`): a bad one is that request's HTTP 400.
+   `custom_params["tail_replay"]` with `check_request` against the server's refusals
+   (`request_limits`): a bad one is that request's HTTP 400; the server's own background runs
+   get their mark (`BACKGROUND_PARAM_KEY`) after that check, out of band.
 2. planner. Scheduler, prefix match: `cache.TailReplayRadixCache._finalize_match_result` attaches
    the request's record (`attach`: its config resolved once, `request_overrides`), reads the
    path's provenance (`path_provenance`: in the exact mode the match is cut where the KV stops
@@ -95,12 +96,15 @@ from sglang_ext.tail_replay.audit import (
 from sglang_ext.tail_replay.config import (
     AUTO,
     BACKEND_NAME,
+    BACKGROUND_PARAM_KEY,
     DEFAULTS,
     KV_MODES,
     REQUEST_PARAM_KEY,
     RequestLimits,
     TailReplayConfig,
     TailReplayConfigError,
+    background_mark,
+    check_request,
     config_from_dict,
     parse_config,
     request_overrides,
@@ -160,6 +164,7 @@ _FROM_CACHE = ("TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_
 __all__ = [
     "BACKEND_NAME", "DEFAULTS", "KV_MODES", "REQUEST_PARAM_KEY", "RequestLimits", "TailReplayConfig",
     "TailReplayConfigError", "config_from_dict", "parse_config", "request_overrides", "server_config",
+    "BACKGROUND_PARAM_KEY", "background_mark", "check_request",
     "with_overrides", "user_settings", "with_model_profile", "AUTO", "PERCENTILES",
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
     "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",

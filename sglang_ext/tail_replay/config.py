@@ -5,10 +5,20 @@ Given as JSON (`--tail-replay-config '{"budget": 0.05}'`, or the env var
 bad values fail at start-up with a message naming the key.
 
 Every reader of the server's config calls `server_config()` (the variable is read by
-`sglang_ext.env`, parsed here once per process and value); a request's overrides are resolved by
-`request_overrides` (checked in the tokenizer process, resolved once more in the scheduler when
-the request is first matched and kept on its record, `tail_replay.request`: SGLang sends the
-request between the two processes as msgspec data, so no Python object can travel with it).
+`sglang_ext.env`, parsed here once per process and value); a request's overrides are checked by
+`check_request` in the tokenizer process and resolved once more by `request_overrides` in the
+scheduler when the request is first matched, then kept on its record (`tail_replay.request`:
+SGLang sends the request between the two processes as msgspec data, so no Python object can travel
+with it).
+
+Server bookkeeping never comes from a client. The fields that mark the server's own background
+runs (`audit_of`, `repair_of`, `repair_kind`: an audit's reference run, a repair run) are no config
+keys at all: the tokenizer process sets them out of band, under `BACKGROUND_PARAM_KEY` in the
+run's `custom_params`, after the request's fields were validated
+(`patches/tail_replay_request.py`); a client sending that key, or one of those fields, gets a 400
+naming it. A request's own `audit` / `repair` are refused unless the server's config sets
+`allow_request_audit_repair` (each buys an extra exact prefill).
+
 `DEFAULTS` is the default config, for benchmarks and evaluations that name the defaults.
 """
 
@@ -88,15 +98,16 @@ class TailReplayConfig:
     #: exact) re-run as an exact prefill in the background, whose next-token distribution is compared
     #: with the served one; 0: off (server setting only)
     audit_rate: float = 0.0
-    #: audit this request whatever it was (exact or not); per request only
+    #: audit this request whatever it was (exact or not); per request only, and only on a server
+    #: with `allow_request_audit_repair`
     audit: bool = False
-    #: set by the server on its own audit re-runs: the rid of the request this one is the reference
-    #: for (never audited itself); per request only
+    #: set by the server on its own audit re-runs (out of band, `BACKGROUND_PARAM_KEY`): the rid of
+    #: the request this one is the reference for (never audited itself); not a key
     audit_of: str | None = None
     #: exact repair (tail_replay/repair.py): when an answer that was not exact finishes, its
     #: sequence (prompt and output) is recomputed exactly in the background, so the tree's nodes
     #: along it and its end state become exact and the conversation's next turn resumes exactly
-    #: (server default, and per request)
+    #: (server default, and per request on a server with `allow_request_audit_repair`)
     repair: bool = False
     #: shared-state repair (tail_replay/repair.py): when a request's matched path ends its states
     #: at one that does not count as exact and that conversations branch from (the tree branches
@@ -105,12 +116,15 @@ class TailReplayConfig:
     #: conversations branching there resume exactly, as on stock SGLang (server default, and per
     #: request)
     repair_shared: bool = True
-    #: set by the server on its own repair runs: the rid of the request being repaired (never
-    #: repaired or audited itself); per request only
+    #: set by the server on its own repair runs (out of band, `BACKGROUND_PARAM_KEY`): the rid of
+    #: the request being repaired (never repaired or audited itself); not a key
     repair_of: str | None = None
-    #: set by the server on its own repair runs: what it repairs (one of `REPAIR_KINDS`); per
-    #: request only
+    #: set by the server on its own repair runs (out of band): what it repairs (one of
+    #: `REPAIR_KINDS`); not a key
     repair_kind: str = "answer"
+    #: whether a request may set `audit` / `repair` itself (each buys a full-vocabulary
+    #: log-softmax or an extra exact prefill); false: such a request gets a 400 (server setting only)
+    allow_request_audit_repair: bool = False
     #: which stored state is freed first when the state pool is full: "lru" (SGLang's order:
     #: least recently used) or "ends" (first a state its conversation has moved past, i.e. whose
     #: node continues in exactly one child with a state further down, least recently used first;
@@ -169,13 +183,24 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
     "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
     "exactness": str, "exact_threshold": (int, float), "audit_rate": (int, float), "audit": bool,
-    "audit_of": str, "state_order": str, "repair": bool, "repair_shared": bool, "repair_of": str,
-    "repair_kind": str}
+    "state_order": str, "repair": bool, "repair_shared": bool, "allow_request_audit_repair": bool}
 #: keys a request may not set (a file path, what counts as exact, how much of its traffic is
-#: audited and the state pool's eviction order are the server's business)
-_SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order")
+#: audited, whether requests may ask for background runs and the state pool's eviction order are
+#: the server's business)
+_SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order", "allow_request_audit_repair")
 #: keys only a request sets (what happens to one request)
-_REQUEST_ONLY = ("audit", "audit_of", "repair_of", "repair_kind")
+_REQUEST_ONLY = ("audit",)
+#: keys a request sets only where the server allows it (`allow_request_audit_repair`)
+_ALLOWED_BY_SERVER = ("audit", "repair")
+#: the server's marks on its own background runs: set out of band (`BACKGROUND_PARAM_KEY`), never
+#: by a client or a server config
+BACKGROUND_FIELDS = ("audit_of", "repair_of", "repair_kind")
+#: `custom_params` key of the server's mark on its own background runs (`BACKGROUND_FIELDS` and the
+#: config values the run needs); refused from a client, set in the tokenizer process after the
+#: request's fields were validated (patches/tail_replay_request.py)
+BACKGROUND_PARAM_KEY = "tail_replay_background"
+#: the config knob that allows `_ALLOWED_BY_SERVER`
+ALLOW_KNOB = "allow_request_audit_repair"
 
 
 def _check(ok: bool, key: str, message: str) -> None:
@@ -187,8 +212,10 @@ def _check(ok: bool, key: str, message: str) -> None:
 DEFAULTS = TailReplayConfig()
 
 
-def _check_fields(raw: dict) -> None:
+def _check_fields(raw: dict, where: str) -> None:
     known = set(_TYPES)
+    for key in BACKGROUND_FIELDS:
+        _check(key not in raw, key, f"is set by the server on its own background runs; {where} cannot set it")
     for key, value in raw.items():
         _check(key in known, key, f"unknown key; known keys: {sorted(known)}")
         expected = _TYPES[key]
@@ -208,7 +235,7 @@ def _with_profile(config: TailReplayConfig) -> TailReplayConfig:
 
 def config_from_dict(raw: dict) -> TailReplayConfig:
     """The server's config from its JSON object."""
-    _check_fields(raw)
+    _check_fields(raw, "a server config")
     for key in _REQUEST_ONLY:
         _check(key not in raw, key, "is a per-request key; a server config cannot set it")
     return _with_profile(TailReplayConfig(**raw))
@@ -226,9 +253,13 @@ def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfi
         return base
     if not isinstance(overrides, dict):
         raise TailReplayConfigError(f"custom_params[{REQUEST_PARAM_KEY!r}] must be a JSON object")
-    _check_fields(overrides)
+    _check_fields(overrides, "a request")
     for key in _SERVER_ONLY:
         _check(key not in overrides, key, "is a server setting; a request cannot set it")
+    for key in _ALLOWED_BY_SERVER:
+        _check(key not in overrides or base.allow_request_audit_repair, key,
+               f"is refused on this server: per-request audit and repair are off (server config key "
+               f"{ALLOW_KNOB!r} is false)")
     config = replace(base, **overrides)
     _check(config.budget != AUTO or config.profile is not None, "budget",
            f"{AUTO!r} needs the model's decay profile, and this server has none")
@@ -250,13 +281,39 @@ class RequestLimits:
     exact_kv_refused: str | None = None
 
 
-def request_overrides(base: TailReplayConfig, custom_params: object,
-                      limits: RequestLimits = RequestLimits()) -> TailReplayConfig:
-    """The config a request runs with: `base` plus `custom_params["tail_replay"]`.
+def check_request(base: TailReplayConfig, custom_params: object,
+                  limits: RequestLimits = RequestLimits()) -> TailReplayConfig:
+    """The check of a client's request on arrival (tokenizer process), and the config it asks for:
+    `base` plus `custom_params["tail_replay"]`.
 
     Every field the extension reads from a request is checked here; a bad one raises
     TailReplayConfigError (a ValueError: SGLang answers that request with HTTP 400) whose message
-    names the field, so no malformed request reaches the scheduler."""
+    names the field, so no malformed request reaches the scheduler. The server's own mark
+    (`BACKGROUND_PARAM_KEY`) is refused here: only the server sets it, after this check."""
+    if isinstance(custom_params, dict) and BACKGROUND_PARAM_KEY in custom_params:
+        raise TailReplayConfigError(f"{CUSTOM_PARAMS_FIELD}[{BACKGROUND_PARAM_KEY!r}] is set by the server on its "
+                                    "own background runs; a request cannot set it")
+    return _with_request_fields(base, custom_params, limits)
+
+
+def request_overrides(base: TailReplayConfig, custom_params: object,
+                      limits: RequestLimits = RequestLimits()) -> TailReplayConfig:
+    """The config a request runs with (scheduler, at its first match): `base` plus its
+    `custom_params["tail_replay"]` (checked on arrival by `check_request`) and, on the server's own
+    background runs, the server's mark (`BACKGROUND_PARAM_KEY`: which reaches the scheduler only
+    from the tokenizer process, which sets it after `check_request` refused it from clients)."""
+    mark = custom_params.get(BACKGROUND_PARAM_KEY) if isinstance(custom_params, dict) else None
+    if mark is None:
+        return _with_request_fields(base, custom_params, limits)
+    assert isinstance(custom_params, dict)
+    client = {key: value for key, value in custom_params.items() if key != BACKGROUND_PARAM_KEY}
+    config = _with_request_fields(base, client, limits)
+    if not isinstance(mark, dict):
+        raise TailReplayConfigError(f"{CUSTOM_PARAMS_FIELD}[{BACKGROUND_PARAM_KEY!r}] must be a JSON object")
+    return replace(config, **background_mark(mark))
+
+
+def _with_request_fields(base: TailReplayConfig, custom_params: object, limits: RequestLimits) -> TailReplayConfig:
     if custom_params is None:
         return base
     if not isinstance(custom_params, dict):
@@ -279,6 +336,18 @@ def request_overrides(base: TailReplayConfig, custom_params: object,
         raise TailReplayConfigError(f"{OVERRIDES_FIELD}: key 'kv_mode': 'exact' is refused on this "
                                     f"server: {limits.exact_kv_refused}")
     return config
+
+
+def background_mark(overrides: dict) -> dict:
+    """The mark the server puts on its own background run (`BACKGROUND_PARAM_KEY`): the config
+    values it runs with (`audit.reference_overrides`, `repair.repair_overrides`), checked where it
+    is made (a wrong one raises TailReplayConfigError) and again in the scheduler."""
+    _check(any(overrides.get(key) is not None for key in ("audit_of", "repair_of")), BACKGROUND_PARAM_KEY,
+           "a background run names the request it is for (audit_of or repair_of)")
+    unknown = sorted(set(overrides) - set(_TYPES) - set(BACKGROUND_FIELDS))
+    _check(not unknown, BACKGROUND_PARAM_KEY, f"unknown fields {unknown}")
+    replace(DEFAULTS, **overrides)   # the values must make a valid config (__post_init__ checks them)
+    return dict(overrides)
 
 
 @functools.lru_cache(maxsize=4)

@@ -9,6 +9,7 @@ Two servers, booted side by side for the module:
   this server (measured with 100-600-token prompts): at the chunk boundary the request stores a
   checkpoint into the tree, which needs a fresh state slot, and finds none ->
   `AssertionError: Can not alloc mamba cache` in the scheduler (docs/gpu_deployment.md).
+  It also audits and repairs every approximate answer (its own background runs).
 - "plugin": SGLang's own launcher (`python -m sglang.launch_server`) with the extension coming
   only from its `sglang.srt.plugins` entry point; see `PluginServer`.
 """
@@ -20,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,10 +30,11 @@ import requests
 from eval.harness import ServerProcess, start_servers, stop_servers
 from sglang_ext.env import PATCH_MODE_VAR, TAIL_REPLAY_CONFIG_VAR
 from sglang_ext.launcher import CPU_DEFAULTS
-from tests.e2e.serving import random_prompt
+from tests.e2e.serving import metric_total, random_prompt
 
 CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16}
-PURE_CONFIG = {**CONFIG, "keep_checkpoints": False}
+#: the pure server also audits and repairs every approximate answer (its own background runs)
+PURE_CONFIG = {**CONFIG, "keep_checkpoints": False, "audit_rate": 1.0, "repair": True}
 SLOTS = 2
 CHUNK = 64
 #: above the CPU default (0.1): SGLang measures free host memory before and after loading the
@@ -159,6 +162,89 @@ def test_malformed_field_in_a_stream_or_a_batch(servers):
     assert still_serving(server)
 
 
+#: the server's own bookkeeping, as a client might send it: (custom_params, what the 400 says)
+SERVER_ONLY_FIELDS = [
+    ({"tail_replay": {"audit_of": "tail-replay-audit-0"}},
+     "'audit_of': is set by the server on its own background runs; a request cannot set it"),
+    ({"tail_replay": {"repair_of": "tail-replay-repair-0"}},
+     "'repair_of': is set by the server on its own background runs; a request cannot set it"),
+    ({"tail_replay": {"repair_kind": "shared_state"}},
+     "'repair_kind': is set by the server on its own background runs; a request cannot set it"),
+    ({"tail_replay_background": {"repair_of": "x", "repair_kind": "answer"}},
+     "custom_params['tail_replay_background'] is set by the server on its own background runs"),
+    ({"tail_replay": {"audit": True}}, "'audit': is refused on this server: per-request audit and repair are off "
+                                       "(server config key 'allow_request_audit_repair' is false)"),
+    ({"tail_replay": {"repair": True}}, "'repair': is refused on this server: per-request audit and repair are off "
+                                        "(server config key 'allow_request_audit_repair' is false)"),
+]
+#: the Tail-Replay counters a client's request moves (traffic, repairs, audits)
+COUNTERS = ("sglang_ext:tail_replay_requests_total", "sglang_ext:tail_replay_repairs_total",
+            "sglang_ext:tail_replay_audits_total", "sglang_ext:tail_replay_hits_total")
+
+
+def counters(server) -> dict:
+    text = requests.get(f"{server.url}/metrics", timeout=30).text
+    return {**{name: metric_total(text, name) for name in COUNTERS},
+            "answer_repairs": metric_total(text, "sglang_ext:tail_replay_repairs_total", 'kind="answer"')}
+
+
+def settled_counters(server, quiet_s: float = 2.0, timeout_s: float = 60.0) -> dict:
+    """The counters once no background run of an earlier request moves them (unchanged for quiet_s)."""
+    deadline = time.monotonic() + timeout_s
+    last = counters(server)
+    while True:
+        time.sleep(quiet_s)
+        now = counters(server)
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, "the counters kept moving"
+        last = now
+
+
+@pytest.mark.parametrize("custom, needle", SERVER_ONLY_FIELDS)
+def test_server_bookkeeping_from_a_client_is_a_400_naming_the_field(servers, custom, needle):
+    """Fields the server marks its own background runs with (or that buy one: `audit` / `repair`,
+    off unless the server's config allows them) are refused from a client, single, streamed or
+    in a batch; no counter moves, and the server goes on serving."""
+    server = servers["pure"]
+    ids = random_prompt(LONG, seed=41)
+    before = settled_counters(server)
+    resp = post(server, {"custom_params": custom}, ids=ids)
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"]
+    stream = post(server, {"custom_params": custom}, ids=ids, stream=True)
+    events = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == 400 and needle in events[-1]["error"]["message"]
+    batch = requests.post(f"{server.url}/generate", timeout=120, json={
+        "input_ids": [ids, ids[:-1]],
+        "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 1, "custom_params": custom}]})
+    assert batch.status_code == 400 and needle in batch.text
+    assert counters(server) == before   # refused before the scheduler: not counted, nothing sent
+    assert still_serving(server)
+
+
+def test_server_runs_its_own_background_runs_and_counts_them(servers):
+    """The server's own runs still carry their mark (out of band) on a server whose clients cannot
+    send it: the pure server audits (`audit_rate: 1`) and repairs (`repair: true`) every approximate
+    answer; an approximate hit's audit reference run and its repair run are counted as an audit and
+    a repair, and not as traffic."""
+    server = servers["pure"]
+    document = random_prompt(3 * CHUNK, seed=43)
+    before = settled_counters(server)
+    assert post(server, {"temperature": 0}, ids=document + [5]).status_code == 200
+    hit = post(server, {"temperature": 0}, ids=document + random_prompt(24, seed=44))
+    assert hit.status_code == 200, hit.text
+    summary = hit.json()["meta_info"]["cached_tokens_details"]["tail_replay"]
+    assert summary["kind"] == "approximate" and summary["exact"] is False and summary["audit"] == "sampled"
+    after = settled_counters(server)
+    delta = {name: after[name] - before[name] for name in COUNTERS}
+    assert delta["sglang_ext:tail_replay_requests_total"] == 2    # the two requests; no background run
+    assert delta["sglang_ext:tail_replay_audits_total"] == 1      # the hit's reference run compared
+    assert delta["sglang_ext:tail_replay_repairs_total"] >= 1     # the hit's repair run finished ...
+    assert after["answer_repairs"] - before["answer_repairs"] == 1   # ... once
+    assert not re.search(r"Traceback|background run .* failed|found no served distribution", server.log_text())
+
+
 def test_keep_checkpoints_override_is_refused_without_checkpoints(servers):
     server = servers["pure"]
     resp = post(server, {"custom_params": {"tail_replay": {"keep_checkpoints": True}}},
@@ -218,9 +304,9 @@ def test_bad_env_config_on_the_plain_sglang_path_is_one_clear_error(tiny_model_f
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "'bugdet'" in line]
     assert errors == ["sglang_ext: error: tail-replay config key 'bugdet': unknown key; known keys: "
-                      "['audit', 'audit_of', 'audit_rate', 'budget', 'decay_percentile', 'decay_profile', "
-                      "'exact_threshold', 'exactness', 'keep_checkpoints', 'kv_mode', 'max_replay_tokens', "
-                      "'min_match_tokens', 'min_replay_tokens', 'repair', 'repair_kind', 'repair_of', 'repair_shared', "
+                      "['allow_request_audit_repair', 'audit', 'audit_rate', 'budget', 'decay_percentile', "
+                      "'decay_profile', 'exact_threshold', 'exactness', 'keep_checkpoints', 'kv_mode', "
+                      "'max_replay_tokens', 'min_match_tokens', 'min_replay_tokens', 'repair', 'repair_shared', "
                       "'state_order', 'tolerance']"]
     assert "Traceback" not in proc.stderr
 

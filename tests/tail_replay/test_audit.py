@@ -29,10 +29,13 @@ from sglang_ext.tail_replay.audit import (
     sampled,
 )
 from sglang_ext.tail_replay.config import (
+    BACKGROUND_PARAM_KEY,
     DEFAULTS,
     RequestLimits,
     TailReplayConfig,
     TailReplayConfigError,
+    background_mark,
+    check_request,
     config_from_dict,
     parse_config,
     request_overrides,
@@ -140,23 +143,62 @@ def test_audit_keys_are_validated_naming_the_key():
             config_from_dict({"audit_rate": bad})
     with pytest.raises(TailReplayConfigError, match="'audit_rate': has the wrong type"):
         config_from_dict({"audit_rate": True})
-    for text in ('{"audit": true}', '{"audit_of": "x"}'):
-        with pytest.raises(TailReplayConfigError, match="': is a per-request key; a server config cannot set it"):
-            parse_config(text)
+    with pytest.raises(TailReplayConfigError, match="'audit': is a per-request key; a server config cannot set it"):
+        parse_config('{"audit": true}')
+    with pytest.raises(TailReplayConfigError, match="'audit_of': is set by the server on its own background runs; "
+                                                    "a server config cannot set it"):
+        parse_config('{"audit_of": "x"}')
     with pytest.raises(TailReplayConfigError, match="'audit_rate': is a server setting"):
         with_overrides(DEFAULTS, {"audit_rate": 1.0})
+    allowing = config_from_dict({"allow_request_audit_repair": True})
     with pytest.raises(TailReplayConfigError, match="'audit': has the wrong type"):
-        with_overrides(DEFAULTS, {"audit": 1})
-    with pytest.raises(TailReplayConfigError, match="'audit_of': has the wrong type"):
-        with_overrides(DEFAULTS, {"audit_of": 7})
-    assert with_overrides(DEFAULTS, {"audit": True}).audit
+        with_overrides(allowing, {"audit": 1})
+    for value in (7, "x"):   # whatever its value: the server's bookkeeping
+        with pytest.raises(TailReplayConfigError, match="'audit_of': is set by the server on its own background "
+                                                        "runs; a request cannot set it"):
+            with_overrides(allowing, {"audit_of": value})
+    assert with_overrides(allowing, {"audit": True}).audit
     assert "audit" not in user_settings(DEFAULTS) and "audit_of" not in user_settings(DEFAULTS)
     assert user_settings(DEFAULTS)["audit_rate"] == 0.0
 
 
+def test_a_request_asks_for_its_own_audit_only_where_the_server_allows_it():
+    assert DEFAULTS.allow_request_audit_repair is False
+    for value in (True, False):
+        with pytest.raises(TailReplayConfigError, match="'audit': is refused on this server: per-request audit and "
+                                                        "repair are off \\(server config key 'allow_request_audit_repair'"):
+            check_request(DEFAULTS, {"tail_replay": {"audit": value}})
+    with pytest.raises(TailReplayConfigError, match="'allow_request_audit_repair': is a server setting"):
+        check_request(DEFAULTS, {"tail_replay": {"allow_request_audit_repair": True}})
+    allowing = config_from_dict({"allow_request_audit_repair": True})
+    assert check_request(allowing, {"tail_replay": {"audit": True}}).audit
+
+
+def test_the_servers_mark_never_comes_from_a_client():
+    mark = background_mark(reference_overrides("someone-elses-rid"))
+    with pytest.raises(TailReplayConfigError, match="custom_params\\['tail_replay_background'\\] is set by the "
+                                                    "server on its own background runs; a request cannot set it"):
+        check_request(DEFAULTS, {BACKGROUND_PARAM_KEY: mark})
+    with pytest.raises(TailReplayConfigError, match="'audit_of': is set by the server"):
+        check_request(DEFAULTS, {"tail_replay": dict(reference_overrides("someone-elses-rid"))})
+    # what the scheduler resolves for a run the server marked (only the tokenizer process sets it)
+    config = request_overrides(DEFAULTS, {BACKGROUND_PARAM_KEY: mark})
+    assert config.background and config.audit_of == "someone-elses-rid"
+
+
+def test_a_wrong_mark_fails_where_it_is_made():
+    with pytest.raises(TailReplayConfigError, match="names the request it is for"):
+        background_mark({"exactness": "exact"})
+    with pytest.raises(TailReplayConfigError, match="unknown fields \\['window'\\]"):
+        background_mark({"audit_of": "r", "window": 3})
+    with pytest.raises(TailReplayConfigError, match="'repair_kind': must be one of"):
+        background_mark({"repair_of": "r", "repair_kind": "branch"})
+
+
 def test_the_reference_run_passes_any_servers_request_check():
     strict_server = RequestLimits(checkpoints_refused="no room", exact_kv_refused="quantized")
-    config = request_overrides(DEFAULTS, {"tail_replay": reference_overrides("rid-1")}, strict_server)
+    config = request_overrides(DEFAULTS, {BACKGROUND_PARAM_KEY: background_mark(reference_overrides("rid-1"))},
+                               strict_server)
     assert config.strict and config.audit_of == "rid-1" and not config.keep_checkpoints and not config.audit
 
 

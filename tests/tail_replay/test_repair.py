@@ -5,17 +5,20 @@ no server (the served path: tests/e2e/test_tail_replay_server.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 
 from sglang_ext.patches import tail_replay_audit
 from sglang_ext.tail_replay.config import (
+    BACKGROUND_PARAM_KEY,
     DEFAULTS,
     TailReplayConfigError,
+    background_mark,
+    check_request,
     config_from_dict,
     request_overrides,
-    with_overrides,
 )
 from sglang_ext.tail_replay.repair import (
     REPAIR_KEY,
@@ -27,7 +30,12 @@ from sglang_ext.tail_replay.repair import (
     shared_repair_due,
 )
 
-ON = with_overrides(DEFAULTS, {"repair": True})
+ON = config_from_dict({"repair": True})
+
+
+def _marked(overrides: dict) -> dict:
+    """custom_params of a background run as the scheduler sees it (the tokenizer process marks it)."""
+    return {BACKGROUND_PARAM_KEY: background_mark(overrides)}
 
 
 def test_off_by_default():
@@ -43,7 +51,7 @@ def test_only_a_finished_answer_that_was_not_exact_is_repaired(exact, finished, 
 
 @pytest.mark.parametrize("overrides", [{"repair_of": "r1"}, {"audit_of": "r1"}, {"exactness": "exact"}])
 def test_background_runs_and_the_exact_mode_are_never_repaired(overrides):
-    config = with_overrides(ON, overrides)
+    config = replace(ON, **overrides)
     assert not repair_due(config, exact=False, finished=True)
 
 
@@ -54,7 +62,7 @@ def test_the_sequence_is_what_sglang_caches_for_a_finished_request():
 
 
 def test_repair_run_overrides_are_a_valid_request_that_is_exact_and_not_repaired_again():
-    config = request_overrides(ON, {"tail_replay": repair_overrides("rid-7")})
+    config = request_overrides(ON, _marked(repair_overrides("rid-7")))
     assert config.strict and config.repair_of == "rid-7" and config.background
     assert config.keep_checkpoints == ON.keep_checkpoints   # the server's way of keeping states
     assert not repair_due(config, exact=False, finished=True)
@@ -62,11 +70,17 @@ def test_repair_run_overrides_are_a_valid_request_that_is_exact_and_not_repaired
 
 def test_config_keys():
     assert config_from_dict({"repair": True}).repair is True
-    with pytest.raises(TailReplayConfigError, match="'repair_of'.*per-request"):
+    with pytest.raises(TailReplayConfigError, match="'repair_of': is set by the server.*a server config cannot"):
         config_from_dict({"repair_of": "x"})
     with pytest.raises(TailReplayConfigError, match="'repair'.*wrong type"):
         config_from_dict({"repair": 1})
-    assert request_overrides(DEFAULTS, {"tail_replay": {"repair": True}}).repair is True
+    with pytest.raises(TailReplayConfigError, match="'repair': is refused on this server: per-request audit and repair "
+                                                    "are off \\(server config key 'allow_request_audit_repair' is false"):
+        check_request(ON, {"tail_replay": {"repair": True}})
+    allowing = config_from_dict({"allow_request_audit_repair": True})
+    assert check_request(allowing, {"tail_replay": {"repair": True}}).repair is True
+    with pytest.raises(TailReplayConfigError, match="'repair_of': is set by the server.*a request cannot"):
+        check_request(allowing, {"tail_replay": {"repair_of": "someone-else"}})
 
 
 def _output(details, reasons, rids):
@@ -130,7 +144,7 @@ def test_the_branch_rule_needs_an_approximate_plan_a_branch_and_stocks_branch_st
 
 @pytest.mark.parametrize("overrides", [{"repair_shared": False}, {"repair_of": "r1"}, {"audit_of": "r1"}])
 def test_the_branch_rule_is_off_with_shared_repair_and_for_background_runs(overrides):
-    assert not branch_repair_due(with_overrides(DEFAULTS, overrides), **KEEPS)
+    assert not branch_repair_due(replace(DEFAULTS, **overrides), **KEEPS)
 
 
 def test_shared_state_repair_is_on_by_default_for_an_approximate_state_conversations_branch_from():
@@ -146,11 +160,11 @@ def test_a_conversations_own_state_or_an_exact_one_is_not_shared_state_repaired(
 
 @pytest.mark.parametrize("overrides", [{"repair_shared": False}, {"repair_of": "r1"}, {"audit_of": "r1"}])
 def test_shared_state_repair_off_and_background_runs_never_ask(overrides):
-    assert not shared_repair_due(with_overrides(DEFAULTS, overrides), bound=0.3, branches=2)
+    assert not shared_repair_due(replace(DEFAULTS, **overrides), bound=0.3, branches=2)
 
 
 def test_shared_state_repair_run_overrides_are_exact_background_and_ask_for_nothing():
-    config = request_overrides(DEFAULTS, {"tail_replay": repair_overrides("rid-8", "shared_state")})
+    config = request_overrides(DEFAULTS, _marked(repair_overrides("rid-8", "shared_state")))
     assert config.strict and config.background and config.repair_of == "rid-8"
     assert config.repair_kind == "shared_state" and not config.repair_shared and not config.repair
     assert repair_overrides("rid-8")["repair_kind"] == "answer"
@@ -158,8 +172,12 @@ def test_shared_state_repair_run_overrides_are_exact_background_and_ask_for_noth
 
 def test_repair_kind_is_checked_and_only_the_server_sets_it():
     with pytest.raises(TailReplayConfigError, match="'repair_kind'.*must be one of"):
-        request_overrides(DEFAULTS, {"tail_replay": {"repair_kind": "branch"}})
-    with pytest.raises(TailReplayConfigError, match="'repair_kind'.*per-request"):
+        background_mark(repair_overrides("r", "branch"))
+    for custom in ({"tail_replay": {"repair_kind": "answer"}}, _marked(repair_overrides("r"))):
+        with pytest.raises(TailReplayConfigError, match="is set by the server on its own background runs; a request "
+                                                        "cannot set it"):
+            check_request(DEFAULTS, custom)
+    with pytest.raises(TailReplayConfigError, match="'repair_kind': is set by the server.*a server config cannot"):
         config_from_dict({"repair_kind": "answer"})
     with pytest.raises(TailReplayConfigError, match="'repair_shared'.*wrong type"):
         config_from_dict({"repair_shared": "yes"})
