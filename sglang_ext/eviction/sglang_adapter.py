@@ -22,13 +22,12 @@ import time
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from .serving import PathNode, SAERequest, ServerSAE, content_keys, parse_request, parse_server_config
+from .serving import PathNode, SAERequest, ServerSAE, content_keys, parse_request, parse_server_config, tenant_of
 
 logger = logging.getLogger(__name__)
 POLICY_NAME = "sae"
-#: the one attribute SAE keeps on SGLang's Req (a SAERequest, or _NONE)
+#: the one attribute SAE keeps on SGLang's Req (its SAERequest)
 _REQ_ATTR = "_sglang_ext_sae"
-_NONE = SAERequest()
 
 
 class SAEStrategy(EvictionStrategy):
@@ -49,18 +48,20 @@ def strategy_of(tree_core) -> SAEStrategy | None:
 
 
 def request_record(req) -> SAERequest:
-    """The request's SAE record (typed spans, session), parsed once from
-    ``sampling_params.custom_params`` and SGLang's session id (validated at arrival by
-    patches/sae_request.py, so parsing here cannot fail on a served request)."""
+    """The request's SAE record (typed spans, session, tenant), parsed once from
+    ``sampling_params.custom_params``, SGLang's session id and the request's tree namespace
+    (``extra_key``, ``cache_salt``) (validated at arrival by patches/sae_request.py, so parsing
+    here cannot fail on a served request)."""
     record = req.__dict__.get(_REQ_ATTR)
     if record is None:
         custom = getattr(req.sampling_params, "custom_params", None)
         session = getattr(req, "session_id", None)
+        tenant = tenant_of(getattr(req, "extra_key", None), getattr(req, "cache_salt", None))
         try:
-            record = parse_request(custom, None, session) or _NONE
+            record = parse_request(custom, None, session, tenant)
         except ValueError:
-            record = _NONE
-        req.__dict__[_REQ_ATTR] = record
+            record = None
+        req.__dict__[_REQ_ATTR] = record = record or SAERequest(tenant=tenant)
     return record
 
 
@@ -80,7 +81,7 @@ def node_path(tree_core, node) -> list:
 
 def _namespace(node) -> str:
     key = node.key
-    return f"{getattr(key, 'extra_key', None) or ''}|{getattr(key, 'cache_salt', None) or ''}"
+    return tenant_of(getattr(key, "extra_key", None), getattr(key, "cache_salt", None))
 
 
 def describe(path: list, token_ids) -> list[PathNode]:

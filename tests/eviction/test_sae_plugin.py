@@ -35,6 +35,11 @@ PROBE = textwrap.dedent("""
                                               radix_eviction_policy_config={"cost_powr": 1}))
     except SystemExit as exc:
         print("exit:", exc)
+    try:
+        plugin.before_resolve(SimpleNamespace(radix_cache_backend=None, radix_eviction_policy="sae",
+                                              radix_eviction_policy_config={"max_sessions": 0}))
+    except SystemExit as exc:
+        print("exit:", exc)
     assert applied_patches() == cpu_only
     plugin.before_resolve(SimpleNamespace(radix_cache_backend=None, radix_eviction_policy="sae",
                                           radix_eviction_policy_config={"cost_power": 1}))
@@ -52,3 +57,5 @@ def test_plugin_registers_sae_and_patches_only_servers_that_select_it():
     assert "sae-plugin-probe-ok" in proc.stdout
     assert ("exit: sglang_ext: error: --radix-eviction-policy-config key 'cost_powr' is not a setting of 'sae'"
             in proc.stdout)
+    assert ("exit: sglang_ext: error: --radix-eviction-policy-config key 'max_sessions' must be an integer >= 1, "
+            "got 0" in proc.stdout)

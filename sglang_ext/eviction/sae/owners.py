@@ -40,7 +40,7 @@ class Owner:
     """A session (or request, or shared entry) and its evictable entries."""
 
     __slots__ = ("key", "queue", "state", "t_request", "request", "entries", "rank", "open",
-                 "n_entries", "log_pace", "pace", "out_blocks", "ended")
+                 "n_entries", "log_pace", "pace", "out_blocks", "ended", "retired")
 
     def __init__(self, key: OwnerKey, queue: str, state: State, now: float, request: int) -> None:
         self.key, self.queue, self.state = key, queue, state
@@ -52,6 +52,13 @@ class Owner:
         self.log_pace, self.pace = 0.0, 0  # running log(own gap / class median), its bucket
         self.out_blocks = 0  # output blocks cached by its current request
         self.ended = False  # declared ended (silent past its class's quantile), not back yet
+        self.retired = False  # a session the server stopped tracking: dropped with its last entry
+
+    @property
+    def disposable(self) -> bool:
+        """Dropped once it owns no entry: every owner but a session still tracked (a session
+        waits for its next request with its statistics)."""
+        return self.queue != "session" or self.retired
 
     @property
     def klass(self) -> ReuseClass:
@@ -100,7 +107,7 @@ class OwnerQueues:
         old.entries.discard(key)
         old.n_entries -= 1
         self.requeue(old)
-        if old.n_entries == 0 and old.queue != "session":
+        if old.n_entries == 0 and old.disposable:
             self.drop(old)
         owner = self.owners[("entry", key)] = Owner(("entry", key), "shared", entry.token_type,
                                                     entry.t_last, -1)

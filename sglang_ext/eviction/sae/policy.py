@@ -120,12 +120,26 @@ class SAEPolicy(EvictionPolicy):
             del queues.entries[key]
             owner.n_entries -= 1
             queues.requeue(owner)
-            if owner.n_entries == 0 and owner.queue != "session":
+            if owner.n_entries == 0 and owner.disposable:
                 queues.drop(owner)
         else:
             entry.n_blocks = remaining.n_blocks
         limit = self.learner.trim_ghosts(len(queues.entries))
         self.expert.expire(limit, self.learner.last_evict_t)
+
+    def end_session(self, session: int) -> None:
+        """The caller stopped tracking ``session`` (a bounded session table evicted it; it
+        never comes back under this id). Its owner stops waiting (no gap is learned: none was
+        observed) and is forgotten now if it owns no entry, else with its last entry. Not an
+        eviction event (the simulator never calls it). Mutates: the owner, the waiting lists,
+        owners."""
+        owner = self.queues.owners.get(("session", session))
+        if owner is None:
+            return
+        self.sessions.close(owner)
+        owner.retired = True
+        if owner.n_entries == 0:
+            self.queues.drop(owner)
 
     # ----- scoring --------------------------------------------------------------
     def stats(self, klass: ReuseClass) -> ClassStats:

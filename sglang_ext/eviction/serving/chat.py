@@ -44,7 +44,8 @@ def chat_spans(prompt_ids: Sequence[int], roles: Sequence[str],
     return tuple(s for s in spans if s.token_type != "unknown")
 
 
-def _split_reasoning(ids, start, end, kind, think) -> list[TypedSpan]:
+def _split_reasoning(ids: Sequence[int], start: int, end: int, kind: str,
+                     think: tuple[int, int] | None) -> list[TypedSpan]:
     if kind != "response" or think is None:
         return [TypedSpan(start, end, kind)]
     open_id, close_id = think

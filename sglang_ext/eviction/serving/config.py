@@ -10,7 +10,10 @@ from dataclasses import dataclass, fields
 from ..sae import SAEConfig, SAEConfigError
 
 _SAE_KEYS = {f.name for f in fields(SAEConfig)}
-SERVER_KEYS = ("block_tokens", "clock", "state_order")
+SERVER_KEYS = ("block_tokens", "clock", "state_order", "max_sessions")
+#: sessions SAE tracks at most (``max_sessions``): past it the least recently used session of the
+#: tenant holding the most goes (``sessions.SessionTable``); each costs well under 1 KiB
+DEFAULT_MAX_SESSIONS = 16384
 #: ``state_order``: who orders the recurrent-state checkpoints a state-eviction walk frees
 STATE_ORDERS = ("sae", "lru")
 #: the ``state_order`` each backend gets when the config does not set it, from the live
@@ -26,12 +29,14 @@ class ServerConfig:
     (``"wall"``: seconds; ``"requests"``: one tick per request, deterministic) and
     ``state_order`` (``"sae"``: SAE's rule orders the recurrent-state checkpoints a walk frees,
     ``ServerSAE.state_order``; ``"lru"``: SGLang's least-recently-used walk; ``None``, the
-    default: per backend, ``DEFAULT_STATE_ORDER``)."""
+    default: per backend, ``DEFAULT_STATE_ORDER``) and ``max_sessions`` (the bound of the
+    session table, keyed by tenant: ``DEFAULT_MAX_SESSIONS``)."""
 
     sae: SAEConfig = SAEConfig()
     block_tokens: int = 16
     clock: str = "wall"
     state_order: str | None = None
+    max_sessions: int = DEFAULT_MAX_SESSIONS
 
     def state_order_for(self, backend: str) -> str:
         """``"sae"`` or ``"lru"``: the state order on ``backend`` (``"default"`` or
@@ -52,6 +57,10 @@ def parse_server_config(raw: Mapping | None) -> ServerConfig:
     clock = raw.pop("clock", "wall")
     if clock not in ("wall", "requests"):
         raise SAEConfigError(f"--radix-eviction-policy-config key 'clock' must be 'wall' or 'requests', got {clock!r}")
+    max_sessions = raw.pop("max_sessions", DEFAULT_MAX_SESSIONS)
+    if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+        raise SAEConfigError(f"--radix-eviction-policy-config key 'max_sessions' must be an integer >= 1, "
+                             f"got {max_sessions!r}")
     state_order = raw.pop("state_order", None)
     if state_order is not None and state_order not in STATE_ORDERS:
         raise SAEConfigError(f"--radix-eviction-policy-config key 'state_order' must be one of "
@@ -69,4 +78,5 @@ def parse_server_config(raw: Mapping | None) -> ServerConfig:
         sae = SAEConfig(**raw)
     except SAEConfigError as exc:
         raise SAEConfigError(f"--radix-eviction-policy-config: {exc}") from None
-    return ServerConfig(sae=sae, block_tokens=block, clock=clock, state_order=state_order)
+    return ServerConfig(sae=sae, block_tokens=block, clock=clock, state_order=state_order,
+                        max_sessions=max_sessions)

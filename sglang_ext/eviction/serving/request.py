@@ -1,10 +1,13 @@
 """SAE's request fields: what a request tells SAE (typed prompt spans, its session), the one
 parser of those fields (``parse_request``: the tokenizer's arrival check and the scheduler's
-record both call it) and the record it yields (``SAERequest``). Pure Python."""
+record both call it) and the record it yields (``SAERequest``), with the request's tenant
+(``tenant_of``: the one place that decides it, for the session table and the content keys).
+Pure Python."""
 
 from __future__ import annotations
 
 import bisect
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -22,6 +25,18 @@ TYPE_ALIASES: Mapping[str, str] = {
 OUTPUT_TYPE = "response"  # type of cached output tokens (past the prompt)
 
 
+def tenant_of(extra_key: str | None, cache_salt: str | None) -> str:
+    """The tenant of a request or tree node: the namespace SGLang 0.5.23's radix tree keeps it
+    in (``RadixKey.child_key``: ``extra_key``, which carries the LoRA id SGLang appends, and
+    ``cache_salt``; ``extra_key`` ``""`` and None are distinct namespaces there, an empty
+    ``cache_salt`` is None). Unambiguous: distinct pairs give distinct strings."""
+    return json.dumps([extra_key, cache_salt or None])
+
+
+#: the tenant of a request that sends neither ``extra_key`` nor ``cache_salt``
+DEFAULT_TENANT = tenant_of(None, None)
+
+
 class RequestFieldError(ValueError):
     """A request's SAE field is malformed; the message names the field (HTTP 400)."""
 
@@ -37,11 +52,13 @@ class TypedSpan:
 
 @dataclass(frozen=True)
 class SAERequest:
-    """What SAE knows about one request: typed prompt spans (sorted, disjoint) and the
-    session it belongs to (None: unknown)."""
+    """What SAE knows about one request: typed prompt spans (sorted, disjoint), the
+    session it belongs to (None: unknown) and its tenant (``tenant_of``; a session is
+    keyed by tenant and name)."""
 
     spans: tuple[TypedSpan, ...] = ()
     session: str | None = None
+    tenant: str = DEFAULT_TENANT
 
     def type_at(self, position: int, prompt_len: int) -> str:
         """Token type of token ``position``: its span's, ``response`` past the prompt,
@@ -54,9 +71,11 @@ class SAERequest:
         return "unknown"
 
 
-def parse_request(custom_params, prompt_len: int | None, session_id=None) -> SAERequest | None:
-    """The record of a request from ``sampling_params.custom_params`` (``token_types``:
-    ``[[start, end, type], ...]``, ``session``: str or int) and SGLang's own session id.
+def parse_request(custom_params: object, prompt_len: int | None, session_id: object = None,
+                  tenant: str = DEFAULT_TENANT) -> SAERequest | None:
+    """The record of a request of ``tenant`` from ``sampling_params.custom_params``
+    (``token_types``: ``[[start, end, type], ...]``, ``session``: str or int) and SGLang's own
+    session id.
     ``prompt_len`` None skips the range check (done when the prompt is tokenized). Raises
     ``RequestFieldError`` naming the field. None when the request carries neither."""
     custom = custom_params or {}
@@ -71,10 +90,10 @@ def parse_request(custom_params, prompt_len: int | None, session_id=None) -> SAE
         session = session_id
     if not spans and session is None:
         return None
-    return SAERequest(spans=spans, session=None if session is None else str(session))
+    return SAERequest(spans=spans, session=None if session is None else str(session), tenant=tenant)
 
 
-def _parse_spans(raw, prompt_len: int | None) -> tuple[TypedSpan, ...]:
+def _parse_spans(raw: object, prompt_len: int | None) -> tuple[TypedSpan, ...]:
     if raw is None:
         return ()
     name = FIELD_PREFIX + TYPES_FIELD

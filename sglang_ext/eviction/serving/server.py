@@ -13,11 +13,14 @@ Contracts:
   evicted entry) works across tree nodes, and a node split keeps the child's key.
 * A node's token type is the type of its last token (what the request had reached there);
   tokens past the prompt (the cached output) are ``response``.
-* Requests are numbered in arrival order; sessions are strings mapped to ints.
+* Requests are numbered in arrival order; a session is its tenant and name, mapped to an int
+  by a bounded table (``sessions.SessionTable``, ``max_sessions``): a session it evicts is
+  forgotten by the policy and a request of it still in flight counts as of no session.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter, OrderedDict
@@ -31,6 +34,7 @@ from ..sae.policy import cost_bucket
 from .config import ServerConfig
 from .nodes import PathNode, entry_info
 from .request import SAERequest
+from .sessions import SessionTable
 
 
 @dataclass
@@ -60,8 +64,8 @@ class ServerSAE:
         self._tokens: dict[bytes, int] = {}  # key -> tokens the policy was last told
         self._evictable: set[bytes] = set()
         self._touched: dict[bytes, int] = {}  # key -> index of the request that last touched it
-        self._requests: OrderedDict[Hashable, RequestInfo] = OrderedDict()  # rid -> info
-        self._sessions: dict[str, int] = {}
+        self._requests: OrderedDict[Hashable, RequestInfo] = OrderedDict()  # (tenant, rid) -> info
+        self.sessions = SessionTable(config.max_sessions)
         self._ghosts: OrderedDict[bytes, int] = OrderedDict()  # evicted key -> tokens
         self.stats = ServeStats(evicted_tokens=Counter())
 
@@ -70,19 +74,28 @@ class ServerSAE:
         return float(self._ticks) if self.config.clock == "requests" else self._wall() - self._t0
 
     def request(self, rid: Hashable, record: SAERequest | None, prompt_tokens: int) -> RequestInfo:
-        """The request's info; the first call for ``rid`` numbers it (and ticks the
-        request clock). Mutates: the request table (bounded), the session table."""
-        info = self._requests.get(rid)
+        """The request's info; the first call for ``rid`` (of the record's tenant: a client's
+        rid never reaches another tenant's request) numbers it, ticks the request clock and
+        uses its session (``SessionTable.use``; the sessions that use evicts are ended in the
+        policy). A later call whose session the table has evicted since gets the info without
+        a session. Mutates: the request table (bounded), the session table, the policy
+        (``end_session``)."""
+        key = (record.tenant if record is not None else None, rid)
+        info = self._requests.get(key)
         if info is None:
             self._ticks += 1
             session = None
             if record is not None and record.session is not None:
-                session = self._sessions.setdefault(record.session, len(self._sessions))
+                session, evicted = self.sessions.use(record.tenant, record.session)
+                for gone in evicted:
+                    self.policy.end_session(gone)
             info = RequestInfo(index=self._ticks, time=self.now(), prompt_tokens=prompt_tokens,
                                session=session)
-            self._requests[rid] = info
+            self._requests[key] = info
             if len(self._requests) > 4096:
                 self._requests.popitem(last=False)
+        elif info.session is not None and not self.sessions.holds(info.session):
+            info = self._requests[key] = dataclasses.replace(info, session=None)
         return info
 
     def _info(self, node: PathNode, token_type: str) -> EntryInfo:
@@ -156,7 +169,7 @@ class ServerSAE:
         key = self.policy.victim(self.now())
         self.stats.decision_ns += time.perf_counter_ns() - t
         self.stats.decisions += 1
-        return None if key is None else self._handles[key]
+        return None if key is None else self._handles[key]  # type: ignore[index]  # SAE's keys are bytes
 
     def state_keep_value(self, node_id: Hashable, now: float) -> float:
         """How much SAE wants to keep the recurrent state held by node ``node_id``: the value
