@@ -63,7 +63,8 @@ def _prompt_blocks(prepared) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.replay.predict", description=__doc__.splitlines()[0])
     p.add_argument("--trace", default="kv-cache-tester")
-    p.add_argument("--traces-root", default=DEFAULT_TRACE_ROOT)
+    p.add_argument("--traces-root", default=DEFAULT_TRACE_ROOT,
+                   help="folder of the named traces (default: the committed sample eval/traces, or $SGLANG_EXT_TRACES)")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--sessions", type=int, default=48)
     p.add_argument("--session-gap-s", type=float, default=60.0)

@@ -80,7 +80,8 @@ def _trace_options(parser) -> None:
 
 def _common(parser) -> None:
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--traces-root", type=Path, default=DEFAULT_TRACE_ROOT)
+    parser.add_argument("--traces-root", type=Path, default=DEFAULT_TRACE_ROOT,
+                        help="folder of the named traces (default: the committed sample eval/traces, or $SGLANG_EXT_TRACES)")
     parser.add_argument("--cost-model", type=Path, default=DEFAULT_COST_MODEL)
     parser.add_argument("--seed", type=int, default=0)
 

@@ -73,7 +73,8 @@ def _spread(stop: str, log_gaps: list[float], by_class: dict, pairs: list) -> di
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m eval.trace_sim.gap_stats")
-    parser.add_argument("--traces-root", type=Path, default=DEFAULT_TRACE_ROOT)
+    parser.add_argument("--traces-root", type=Path, default=DEFAULT_TRACE_ROOT,
+                        help="folder of the named traces (default: the committed sample eval/traces, or $SGLANG_EXT_TRACES)")
     parser.add_argument("--every", type=int, default=1, help="use every N-th conversation file")
     args = parser.parse_args(argv)
     if args.every < 1:
