@@ -38,7 +38,8 @@ def run_cluster(argv: Sequence[str]) -> int:
                                f"(metrics port {started_spec.mooncake_ports[1]})"}
         print(f"sglang-ext cluster: router {started_spec.url} (policy {started_spec.policy}) -> workers "
               f"{', '.join(started_spec.worker_urls())}; logs in {started_spec.log_dir}/"
-              f"{storage[started_spec.storage]}", flush=True)
+              f"{storage[started_spec.storage]}; router metrics on {started_spec.metrics_host}:"
+              f"{started_spec.metrics_port}", flush=True)
         while not stop_now:
             dead = cluster.exited()
             if dead:

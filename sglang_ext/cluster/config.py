@@ -22,6 +22,14 @@ OWNED_WORKER_FLAGS = ("--host", "--port", "--base-gpu-id")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
 #: worker flags the cluster sets itself with `--storage`
 OWNED_STORAGE_FLAGS = ("--hicache-storage-backend", "--hicache-storage-backend-extra-config")
+#: router flags the cluster sets itself (`--router-arg` may not): its own options say where
+OWNED_ROUTER_FLAGS = {"--worker-urls": "--workers / --worker-ports", "--policy": "--policy", "--host": "--host",
+                      "--port": "--port", "--prometheus-host": "--metrics-host",
+                      "--prometheus-port": "--metrics-port"}
+#: the router's metrics listen here unless `--metrics-host` says otherwise
+LOOPBACK = "127.0.0.1"
+#: addresses that listen on every interface (a client on this machine reads them on loopback)
+WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,10 @@ class ClusterSpec:
     #: memory that client lends the store (the workers lend none: the store outlives them)
     mooncake_ports: tuple[int, int, int] = (0, 0, 0)
     storage_segment_mb: int = 512
+    #: the address the router's Prometheus endpoint listens on: loopback unless the operator
+    #: says otherwise (`--metrics-host`): its cache-aware match ratios are keyed by request text,
+    #: not tenant, so whoever reads them learns what other tenants' prompts begin with
+    metrics_host: str = LOOPBACK
 
     def worker_urls(self) -> list[str]:
         return [f"http://{self.host}:{p}" for p in self.worker_ports]
@@ -57,6 +69,12 @@ class ClusterSpec:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """Where this machine reads the router's Prometheus endpoint."""
+        host = LOOPBACK if self.metrics_host in WILDCARD_HOSTS else self.metrics_host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.metrics_port}/metrics"
 
     def worker_command(self, i: int) -> list[str]:
         gpus = ["--base-gpu-id", str(i * self.gpus_per_worker)] if self.gpus_per_worker else []
@@ -90,8 +108,8 @@ class ClusterSpec:
                 mooncake_store_command(f"{self.host}:{rpc}", client, self.storage_segment_mb << 20, self.host)]
 
     def router_command(self) -> list[str]:
-        return router_command(self.worker_urls(), self.policy, self.host, self.port, self.host, self.metrics_port,
-                              self.router_args)
+        return router_command(self.worker_urls(), self.policy, self.host, self.port, self.metrics_host,
+                              self.metrics_port, self.router_args)
 
 
 def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
@@ -111,6 +129,10 @@ def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
                         help="comma-separated worker ports (default: free ports)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="the router's Prometheus port (default: a free one)")
+    parser.add_argument("--metrics-host", default=LOOPBACK,
+                        help="the address the router's Prometheus endpoint listens on (default: loopback, "
+                             "whatever --host is: its cache-aware match ratios reveal what other tenants' "
+                             "prompts begin with; docs/deployment.md)")
     parser.add_argument("--gpus-per-worker", type=int, default=0,
                         help="on a multi-GPU node: worker i gets --base-gpu-id i*N (N = its --tp-size x --dp-size)")
     parser.add_argument("--log-dir", default="cluster-logs", help="router.log and worker-<i>.log go here")
@@ -134,6 +156,8 @@ def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
         raise LaunchError(f"sglang-ext cluster --workers {ns.workers}: needs at least 1 worker")
     if ns.gpus_per_worker < 0:
         raise LaunchError(f"sglang-ext cluster --gpus-per-worker {ns.gpus_per_worker}: must be >= 0")
+    if not ns.metrics_host.strip():
+        raise LaunchError(f"sglang-ext cluster --metrics-host {ns.metrics_host!r}: give an address (default {LOOPBACK})")
     if ns.policy not in ROUTER_POLICIES:
         raise LaunchError(f"sglang-ext cluster --policy {ns.policy!r}: use one of {ROUTER_POLICIES}")
     if not any(a == "--model-path" or a.startswith("--model-path=") for a in worker_args):
@@ -143,6 +167,10 @@ def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
             raise LaunchError(f"sglang-ext cluster: {flag} is set by the cluster for each worker; "
                               f"leave it out of the workers' arguments (use the cluster's --host / --worker-ports / "
                               f"--gpus-per-worker)")
+    for router_flag, instead in OWNED_ROUTER_FLAGS.items():
+        if any(a == router_flag or a.startswith(router_flag + "=") for a in ns.router_arg):
+            raise LaunchError(f"sglang-ext cluster --router-arg {router_flag}: the cluster sets it; "
+                              f"use the cluster's {instead}")
     if ns.storage not in STORAGE_BACKENDS:
         raise LaunchError(f"sglang-ext cluster --storage {ns.storage!r}: use one of {STORAGE_BACKENDS}")
     if ns.storage_segment_mb < 1:
@@ -174,4 +202,4 @@ def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
     storage_dir = Path(ns.storage_dir or Path(ns.log_dir) / "storage") if ns.storage == "file" else None
     return ClusterSpec(ns.workers, ns.policy, ns.host, port, tuple(worker_args), Path(ns.log_dir),
                        tuple(ns.router_arg), ports, metrics_port, ns.gpus_per_worker, ns.storage, storage_dir,
-                       mooncake_ports, ns.storage_segment_mb)
+                       mooncake_ports, ns.storage_segment_mb, ns.metrics_host)

@@ -29,6 +29,22 @@ def test_commands_of_a_two_worker_cluster():
     assert spec.log_dir == Path("/tmp/x")
 
 
+def test_the_routers_metrics_stay_on_loopback_unless_the_operator_says_otherwise():
+    public = parse_cluster_args(["--host", "0.0.0.0", "--port", "0", "--", *WORKER])
+    command = public.router_command()
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    assert command[command.index("--prometheus-host") + 1] == "127.0.0.1"
+    assert public.metrics_url == f"http://127.0.0.1:{public.metrics_port}/metrics"
+    shared = parse_cluster_args(["--host", "0.0.0.0", "--metrics-host", "0.0.0.0", "--port", "0", "--", *WORKER])
+    command = shared.router_command()
+    assert command[command.index("--prometheus-host") + 1] == "0.0.0.0"
+    assert shared.metrics_url == f"http://127.0.0.1:{shared.metrics_port}/metrics"   # read here on loopback
+    internal = parse_cluster_args(["--metrics-host", "10.0.0.7", "--port", "0", "--", *WORKER])
+    assert internal.router_command()[internal.router_command().index("--prometheus-host") + 1] == "10.0.0.7"
+    assert internal.metrics_url == f"http://10.0.0.7:{internal.metrics_port}/metrics"
+    assert parse_cluster_args(["--metrics-host", "::1", "--port", "0", "--", *WORKER]).metrics_url.startswith("http://[::1]:")
+
+
 def test_gpus_per_worker_sets_each_workers_first_gpu():
     spec = parse_cluster_args(["--workers", "2", "--gpus-per-worker", "4", "--port", "0", "--", *WORKER, "--tp-size", "4"])
     assert spec.worker_command(0)[-2:] == ["--base-gpu-id", "0"]
@@ -97,6 +113,10 @@ def test_mooncake_storage_starts_its_master_and_memory_and_points_every_worker_a
     (["--worker", "2", "--", *WORKER], "unknown option(s) ['--worker', '2']"),
     (["--", *WORKER, "--base-gpu-id", "1"], "--base-gpu-id is set by the cluster"),
     (["--gpus-per-worker", "-1", "--", *WORKER], "--gpus-per-worker -1"),
+    (["--metrics-host", " ", "--", *WORKER], "--metrics-host"),
+    (["--router-arg=--prometheus-host=0.0.0.0", "--", *WORKER], "the cluster sets it; use the cluster's --metrics-host"),
+    (["--router-arg=--prometheus-port=9000", "--", *WORKER], "use the cluster's --metrics-port"),
+    (["--router-arg=--host=0.0.0.0", "--", *WORKER], "--router-arg --host: the cluster sets it"),
 ])
 def test_bad_options_are_refused_by_name(argv, names):
     with pytest.raises(LaunchError, match="sglang-ext cluster") as err:
