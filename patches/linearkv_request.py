@@ -114,18 +114,21 @@ def served_length(manager: Any, n: int) -> int:
 def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[int]], bool]:
     """Rewrite obj (separator mode), validate its chunks; return the chunks' token ids to register
     ([] for a request without chunks) and whether their registrations keep the chunks' end states
-    (the request's rule reads them). ValueError naming the field on bad input."""
+    (the request's rule reads them). ValueError naming the field on bad input: also an `extra_key`
+    in the chunk namespace, on single and batched requests alike (a prompt cached there would
+    pose as a tenant's registered chunk)."""
     from sglang_ext.linearkv import NAMESPACE_PREFIX, is_chunk_namespace, keeps_state, plan_chunks, request_field
 
     config, _ = server
+    keys = obj.extra_key if isinstance(obj.extra_key, list) else [obj.extra_key]   # a batch: one per prompt
+    if any(isinstance(key, str) and is_chunk_namespace(key) for key in keys):
+        raise ValueError(f"extra_key: keys starting with {NAMESPACE_PREFIX!r} are reserved for LinearKV's chunks")
     if not _is_single(obj):
         custom = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
         if any(isinstance(p, dict) and request_field(p.get("custom_params")) for p in custom):
             raise ValueError("custom_params.linearkv: batched requests are not supported; send one request per prompt")
         return [], False
     value = request_field(_custom_params(obj))
-    if is_chunk_namespace(obj.extra_key if isinstance(obj.extra_key, str) else None):
-        raise ValueError(f"extra_key: keys starting with {NAMESPACE_PREFIX!r} are reserved for LinearKV's chunks")
     internal = [key for key in ("register", "keep_state") if value is not None and key in value]
     if internal:
         raise ValueError(f"custom_params.linearkv.{internal[0]} is internal to the server")

@@ -4,7 +4,6 @@ the server's config read once, the chunk namespace, chunk registrations kept out
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -13,6 +12,7 @@ from sglang_ext.linearkv.mamba_component import LinearKVMambaComponent
 from sglang_ext.linearkv.model_layers import KeyRelocator, attention_layers, check_rotary, only_mamba2
 from sglang_ext.linearkv.serving import COMPOSING_RULES, LinearKVConfig, check_server_flags, is_chunk_namespace
 from sglang_ext.linearkv.sglang_cache import LinearKVRadixCache
+from sglang_ext.linearkv.transitions import ChunkTransitions
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,7 +51,7 @@ def linearkv_cache_factory(ctx: Any) -> Any:
         "tail_replay_config": tail_config, "linearkv_config": config,
         "chunk_namespace": chunk_namespace(ctx.server_args), "can_compose": can_compose})
     cache = create_unified_radix_cache(ctx, cache_class=cache_class)
-    cache.transitions = OrderedDict()
+    cache.transitions = ChunkTransitions()
     cache.relocator = KeyRelocator(cache.token_to_kv_pool_allocator.get_kvcache(), layers)
     hide_chunk_events(cache.tree_core.kv_events)
     return cache

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from sglang_ext.linearkv.serving import LinearKVRequest, record_of
@@ -144,7 +145,19 @@ class LinearKVMambaComponent(TailReplayMambaComponent):
             if donated is not None and (insert_result is None or insert_result.mamba_exist):
                 self._free_mamba_value(donated)   # the tree kept its own copy
             self.cache.req_to_token_pool.free_mamba_cache(req)   # the fresh slot and the ping-pong slots
+            self.cache.tie_transition(req)
             return
         if rule.when_cached == END:
-            return MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
+            MambaComponent.cleanup_after_caching_req(self, req, is_finished, insert_result, insert_params)
+            if is_finished:
+                self.cache.tie_transition(req)
+            return
         return super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
+
+    def evict_component(self, node, device_frees, host_frees, cache_actions, target=EvictLayer.DEVICE):
+        """A node's state freed on the device takes its chunk's transition with it (`transitions`).
+        May mutate: the node's state, the cache's transitions."""
+        if EvictLayer.DEVICE in target and node.component_data[self.component_type].value is not None \
+                and self.cache.transitions is not None:
+            self.cache.transitions.drop_with(node)
+        return super().evict_component(node, device_frees, host_frees, cache_actions, target=target)

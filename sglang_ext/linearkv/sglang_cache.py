@@ -33,7 +33,6 @@ is `assembly.ChunkAssembly`, the state rules per request kind `mamba_component`,
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -54,6 +53,7 @@ from sglang_ext.linearkv.serving import (
     tenant_namespace,
 )
 from sglang_ext.linearkv.serving import record_of as serving_record_of
+from sglang_ext.linearkv.transitions import ChunkTransitions, transition_key
 from sglang_ext.tail_replay import TailDecay, TailReplayRadixCache
 
 if TYPE_CHECKING:
@@ -62,10 +62,6 @@ if TYPE_CHECKING:
 __all__ = ["BACKEND_NAME", "LinearKVRadixCache", "linearkv_record"]
 
 logger = logging.getLogger(__name__)
-
-#: chunk transitions kept (by content); beyond this many the least recently stored go
-MAX_TRANSITIONS = 65536
-
 
 linearkv_record = serving_record_of   # the record of SGLang's Req (serving.record_of)
 
@@ -88,8 +84,9 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
     relocator: KeyRelocator | None = None
     #: whether the model's linear layers are all Mamba-2 (chunk transitions are per-head decays)
     can_compose: bool = False
-    #: chunk token ids -> {Mamba-2 layer id: decay [heads] fp32}, set by `keep_transition`
-    transitions: OrderedDict | None = None
+    #: chunk key digest -> {Mamba-2 layer id: decay [heads] fp32}, set by `keep_transition`, tied
+    #: to the chunk's node by `tie_transition` and dropped with its state
+    transitions: ChunkTransitions | None = None
 
     def _branch_repair_depth(self, record: Any, planned: Any, prompt_len: int) -> int | None:
         """Tail-Replay's shared-state repair at the branch is not used here: a LinearKV tree's
@@ -97,6 +94,12 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
         prefix, and its background runs would compete with the chunk traffic for state slots
         (the lazy rule below a shared approximate state still runs). Reads nothing."""
         return None
+
+    def reset(self) -> None:
+        """SGLang's full reset (the tree is rebuilt); the transitions tied to its nodes go too."""
+        super().reset()
+        if self.transitions is not None:
+            self.transitions = ChunkTransitions()
 
     # ---- chunk transitions (compose) -----------------------------------------------------------
     def keep_transition(self, req: Any) -> None:
@@ -109,16 +112,24 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
         linearkv_record(req).capture = None
         if not decay.sums or any(n != end - start for n in decay.tokens.values()):
             return
-        key = (req.extra_key, req.cache_salt, tuple(req.origin_input_ids))
-        self.transitions[key] = {layer: s.exp() for layer, s in decay.sums.items()}
-        self.transitions.move_to_end(key)
-        while len(self.transitions) > MAX_TRANSITIONS:
-            self.transitions.popitem(last=False)
+        key = transition_key(req.extra_key, req.cache_salt, req.origin_input_ids)
+        self.transitions.keep(key, {layer: s.exp() for layer, s in decay.sums.items()})
+
+    def tie_transition(self, req: Any) -> None:
+        """After a registration's insert: its chunk's transition is tied to the node that took
+        the chunk's end state (dropped with that state, `LinearKVMambaComponent.evict_component`),
+        or dropped now when the tree took none. Touches the chunk's LRU position."""
+        ids = req.origin_input_ids
+        key = transition_key(req.extra_key, req.cache_salt, ids)
+        if key not in self.transitions:
+            return
+        node = self._find_chunk(ids, 0, len(ids), need_state=True, space=(req.extra_key, req.cache_salt))
+        self.transitions.tie(key, None if node is None else self.tree_core.node_by_id(node))
 
     def _transitions_of(self, req: Any, chunks: Any) -> list[dict] | None:
         ids = req.origin_input_ids
         space, salt = self.chunk_space(req)
-        out = [self.transitions.get((space, salt, tuple(ids[s:e]))) for s, e in chunks]
+        out = [self.transitions.get(transition_key(space, salt, ids[s:e])) for s, e in chunks]
         return None if any(t is None for t in out) else out
 
     def chunk_space(self, req: Any) -> tuple[str, str | None]:
@@ -165,7 +176,7 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
         result = self.tree_core.match_prefix(MatchPrefixParams(key=key))
         self._apply_cache_actions(result.cache_actions)
         if found is not None and result.device_prefix_len >= n - 1 and (not (self.can_compose and record.keep_state)
-                or (key.extra_key, key.cache_salt, tuple(key.token_ids)) in self.transitions):
+                or transition_key(key.extra_key, key.cache_salt, key.token_ids) in self.transitions):
             record.register_hit = True
             result = result._replace(device_prefix_len=n - 1)
         else:

@@ -535,6 +535,10 @@ def test_tenants_do_not_share_chunks(served):
     resp = _post(server, {"input_ids": _ids(40, 4104), "extra_key": "linearkv-chunk:x", "sampling_params": {
         "max_new_tokens": 1, "custom_params": {"linearkv": {"chunks": [[0, 20]]}}}})
     assert resp.status_code == 400 and "extra_key" in resp.text
+    # a batch of plain prompts may not write into a chunk namespace either
+    resp = _post(server, {"input_ids": [_ids(40, 4105), _ids(40, 4106)], "extra_key": "linearkv-chunk:x",
+                          "sampling_params": {"max_new_tokens": 1}})
+    assert resp.status_code == 400 and "extra_key" in resp.text
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -610,3 +614,24 @@ def test_kv_events_leave_chunk_registrations_out(served):
         sub.close(0)
     assert set(prefix) <= set(stored), "P's blocks were published"
     assert not [t for t in stored if 100 <= t < 200], "a chunk registration was published"
+
+
+def test_a_plain_exact_request_over_assembled_tokens_reads_no_chunk_kv(served):
+    """Issue 43, item 1 (extra_buffer): an assembled request's context-free chunk KV, question KV
+    and output are not exact; they must never come back as exact KV of the plain prompt. After a
+    two-chunk request, the same token ids sent plainly with `exactness: "exact"` reuse at most P
+    and answer as a server without cache does."""
+    procs, _ = served
+    server = procs["qwen3-next"]
+    rng = random.Random(43)
+    prefix = [rng.randrange(10, 100) for _ in range(16)]
+    chunks = [[rng.randrange(100, 200) for _ in range(CHUNK)] for _ in range(2)]
+    question = [rng.randrange(200, 300) for _ in range(40)]
+    assert _details(ask(server, prefix, chunks, question))["chunks_hit"] == 2   # assembled
+    ids = _layout(prefix, chunks)[0] + question
+    plain = server.generate(input_ids=ids, return_logprob=True, sampling_params={
+        "max_new_tokens": NEW, "temperature": 0,
+        "custom_params": {"tail_replay": {"exactness": "exact", "budget": 1.0}}})
+    read = plain["meta_info"]["cached_tokens_details"]["tail_replay"]
+    assert read["matched_tokens"] <= len(prefix) and plain["meta_info"]["cached_tokens"] <= len(prefix), read
+    assert _logprobs(plain) == pytest.approx(_logprobs(full(server, ids)), abs=LOGPROB_ATOL)
