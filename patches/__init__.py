@@ -22,8 +22,11 @@ Tail-Replay's and LinearKV's), `ipc_json` (request fields and
 those summaries across SGLang's IPC in both modes; after the audit's patch, so its decoding runs
 first), `tail_replay_audit` (the live quality audit: the first output's
 logits of audited requests, their exact reference runs sent by the tokenizer process),
+`tail_replay_session` (a finished streaming-session turn's own recomputed tail is freed when its
+row goes to the session),
 `linearkv_request` (LinearKV: chunks found and registered on arrival), `linearkv_prepass`
-(LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward).
+(LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward),
+`linearkv_admission` (LinearKV: every admission round's state slots budgeted, loads included).
 One fix to SGLang itself rides with them, because it hits GPUs too: `mamba_conv_dtype` (the linear
 layers' conv-window state in the model's dtype, not a fixed bfloat16, which the `extra_buffer`
 strategy's tracking copy requires).
@@ -64,8 +67,9 @@ CPU_PATCHES: tuple[str, ...] = (
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
                                 "tail_replay_gdn_bound", "tail_replay_mamba2_bound", "tail_replay_meta",
-                                "tail_replay_audit", "ipc_json", "tail_replay_request", "tail_replay_sizing", "tail_replay_pages", "tail_replay_host_pools",
-                                "request_token_ids", "linearkv_request", "linearkv_prepass",
+                                "tail_replay_audit", "ipc_json", "tail_replay_request", "tail_replay_session",
+                                "tail_replay_sizing", "tail_replay_pages", "tail_replay_host_pools",
+                                "request_token_ids", "linearkv_request", "linearkv_prepass", "linearkv_admission",
                                 "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat",
                                 "mamba_conv_dtype")
 

@@ -9,7 +9,9 @@ Two servers, booted side by side for the module:
   this server (measured with 100-600-token prompts): at the chunk boundary the request stores a
   checkpoint into the tree, which needs a fresh state slot, and finds none ->
   `AssertionError: Can not alloc mamba cache` in the scheduler (docs/gpu_deployment.md).
-  It also audits and repairs every approximate answer (its own background runs).
+  It also runs streaming sessions, and audits and repairs every approximate answer (its own
+  background runs). SGLang's strict idle pool check is on (its default): a leaked KV slot raises
+  in the scheduler.
 - "plugin": SGLang's own launcher (`python -m sglang.launch_server`) with the extension coming
   only from its `sglang.srt.plugins` entry point; see `PluginServer`.
 """
@@ -30,7 +32,7 @@ import requests
 from eval.harness import ServerProcess, start_servers, stop_servers
 from sglang_ext.env import PATCH_MODE_VAR, TAIL_REPLAY_CONFIG_VAR
 from sglang_ext.launcher import CPU_DEFAULTS
-from tests.e2e.serving import metric_total, random_prompt
+from tests.e2e.serving import metric_total, random_prompt, sanity_check_seconds, wait_for_idle_check
 
 CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16}
 #: the pure server also audits and repairs every approximate answer (its own background runs)
@@ -107,7 +109,8 @@ def servers(tiny_model_factory, tmp_path_factory, boot_dir):
     pure = ServerProcess(model, ["--dtype", "float32", "--radix-cache-backend", "tail_replay",
                                  "--tail-replay-config", json.dumps(PURE_CONFIG),
                                  "--chunked-prefill-size", str(CHUNK), "--max-mamba-cache-size", str(SLOTS),
-                                 "--max-running-requests", str(SLOTS), *MEM], log_path=logs / "pure.log")
+                                 "--max-running-requests", str(SLOTS), "--enable-streaming-session", *MEM],
+                         log_path=logs / "pure.log")
     plugin = PluginServer(model, ["--dtype", "float32", "--radix-cache-backend", "tail_replay",
                                   "--chunked-prefill-size", str(CHUNK), *MEM], log_path=logs / "plugin.log")
     plugin.boot_dir = boot_dir
@@ -243,6 +246,42 @@ def test_server_runs_its_own_background_runs_and_counts_them(servers):
     assert delta["sglang_ext:tail_replay_repairs_total"] >= 1     # the hit's repair run finished ...
     assert after["answer_repairs"] - before["answer_repairs"] == 1   # ... once
     assert not re.search(r"Traceback|background run .* failed|found no served distribution", server.log_text())
+
+
+def test_recompute_in_a_streaming_session_leaks_no_kv_slot(servers):
+    """`kv_mode: "recompute"` in a streaming session. The turn's prefill spans three chunks past its
+    replay start, so it claims its recomputed tail [P, L) as its own at the chunk boundaries; the
+    finished turn's row goes to the session, not through the release that frees those slots.
+    Before the fix the slots sat below the session row's protected length, seen by neither the
+    session's release nor SGLang's pool accounting: the strict idle check (SGLang's default)
+    raised "memory leak detected" and the scheduler died. Now they are freed when the row goes to
+    the session, which then reads the tree's exact KV there: the idle check stays clean with the
+    session open, after its next turn and after it closes."""
+    server = servers["pure"]
+    document = random_prompt(3 * CHUNK, seed=51)
+    assert post(server, {"temperature": 0}, ids=document + [7]).status_code == 200   # the document's KV
+    opened = requests.post(f"{server.url}/open_session", timeout=60,
+                           json={"capacity_of_str_len": 8192, "streaming": True})
+    assert opened.status_code == 200, opened.text
+    session = {"id": opened.json()}
+    recompute = {"temperature": 0, "max_new_tokens": 4,
+                 "custom_params": {"tail_replay": {"kv_mode": "recompute", "budget": 0.5}}}
+    turn = post(server, recompute, ids=document + random_prompt(40, seed=52), session_params=session)
+    assert turn.status_code == 200, turn.text
+    summary = turn.json()["meta_info"]["cached_tokens_details"]["tail_replay"]
+    assert summary["kind"] == "approximate" and summary["replayed_tokens"] == 3 * CHUNK // 2   # [96, 192) its own
+    wait_for_idle_check(server, sanity_check_seconds(server))          # the session holds the row
+    follow = post(server, {"temperature": 0, "max_new_tokens": 4}, ids=random_prompt(8, seed=53),
+                  session_params=session)
+    assert follow.status_code == 200, follow.text
+    context = 3 * CHUNK + 40 + turn.json()["meta_info"]["completion_tokens"] + 8   # the session's whole context
+    assert follow.json()["meta_info"]["prompt_tokens"] == context
+    wait_for_idle_check(server, sanity_check_seconds(server))
+    closed = requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session["id"]})
+    assert closed.status_code == 200, closed.text
+    wait_for_idle_check(server, sanity_check_seconds(server))
+    assert still_serving(server)
+    assert not re.search(r"memory leak|Traceback", server.log_text(), re.I)
 
 
 def test_keep_checkpoints_override_is_refused_without_checkpoints(servers):
