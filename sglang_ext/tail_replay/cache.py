@@ -30,14 +30,14 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import LRURefreshPhase
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from sglang_ext.tail_replay import own_tail
+from sglang_ext.tail_replay import insert_provenance, own_tail
 from sglang_ext.tail_replay.branch_rules import SharedRepairRules
 from sglang_ext.tail_replay.component import TailReplayMambaComponent
 from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, request_overrides, server_config
 from sglang_ext.tail_replay.kv_past_state import KvPastTheState
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 from sglang_ext.tail_replay.provenance import PathProvenance
-from sglang_ext.tail_replay.request import TailReplayRequest, attach, bounds_of, record_of
+from sglang_ext.tail_replay.request import TailReplayRequest, attach, record_of
 from sglang_ext.tail_replay.tiers import HostTierCache
 from sglang_ext.tail_replay.tree_provenance import MatchedPath, Planned, answer_from, plan_carry, provenance_of
 
@@ -63,11 +63,13 @@ def record_for(base: TailReplayConfig, req: Any) -> TailReplayRequest:
 
 class TailReplayRadixCache(HostTierCache, SharedRepairRules, KvPastTheState, UnifiedRadixCache):
     tail_replay_config: TailReplayConfig = TailReplayConfig()
-    #: the record of the request whose `checkpoint_into_tree` is running (None: an insert without
-    #: a request, whose KV counts as exact)
+    #: the record of the request whose `checkpoint_into_tree` is running (None: no record, or no
+    #: request: `_caching` tells them apart)
     _inserting: TailReplayRequest | None = None
     #: the prompt length of the request whose `checkpoint_into_tree` is running (None: no request)
     _inserting_prompt: int | None = None
+    #: whether a request's `checkpoint_into_tree` is running (its record may be None: untracked)
+    _caching: bool = False
     #: the matched path of the running match, walked once (`matched_path`); None outside a match
     _match_path: MatchedPath | None = None
 
@@ -82,10 +84,22 @@ class TailReplayRadixCache(HostTierCache, SharedRepairRules, KvPastTheState, Uni
         return self._inserting_prompt
 
     def insert_bounds(self, start: int, end: int) -> torch.Tensor:
-        """The bound of each position in [start, end) that the running insert brings into the tree
-        (KV, and the state at a position's end): the one place that decides the provenance of an
-        insert. Reads only."""
-        return bounds_of(self._inserting, start, end)
+        """The bound of each position in [start, end) that the running insert brings into the tree:
+        decided by `insert_provenance.insert_bounds`, the one place (fail closed). Reads only."""
+        return insert_provenance.insert_bounds(self._inserting, start, end, caching=self._caching,
+                                               transferred=self._transferred())
+
+    def insert_state_bound(self, depth: int) -> float:
+        """The bound of the state the running insert stores at `depth` (`insert_provenance`)."""
+        return insert_provenance.state_bound(self._inserting, depth, caching=self._caching,
+                                             transferred=self._transferred())
+
+    @staticmethod
+    def _transferred() -> bool:
+        """The decode side of PD disaggregation: requests insert KV a prefill server computed."""
+        from sglang.srt.runtime_context import get_disagg
+
+        return get_disagg().disaggregation_mode == "decode"
 
     # ---- match -------------------------------------------------------------------------------
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
@@ -205,14 +219,14 @@ class TailReplayRadixCache(HostTierCache, SharedRepairRules, KvPastTheState, Uni
     # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py); the
     # insert reads the request's record for the provenance of what it inserts
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        self._inserting, self._inserting_prompt = record_of(req), len(req.origin_input_ids)
+        self._inserting, self._inserting_prompt, self._caching = record_of(req), len(req.origin_input_ids), True
         try:
             with own_tail.claiming(self, req):
                 super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
             if self._keeps_kv_past_the_state(req, up_to):
                 self._insert_kv_past_the_state(req, up_to)
         finally:
-            self._inserting, self._inserting_prompt = None, None
+            self._inserting, self._inserting_prompt, self._caching = None, None, False
 
     def insert(self, params):
         return own_tail.insert(self, params, super().insert)

@@ -6,7 +6,7 @@ chunk boundary of its prefill, or of its decode's track interval) and frees the 
 stock SGLang that KV cannot be reused without a state at its end. Here it can (a plan resumes from
 the state and recomputes, or replays), and without the extra buffer the tree gets a request's
 whole KV anyway; so the rest is inserted as KV alone, with the provenance the cache decides for
-every insert (`TailReplayRadixCache.insert_bounds`).
+every insert (`TailReplayRadixCache.insert_bounds`), for requests whose provenance is tracked.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from sglang_ext.tail_replay import own_tail
+from sglang_ext.tail_replay.insert_provenance import tracks
+from sglang_ext.tail_replay.request import record_of
 
 
 class KvPastTheState:
@@ -28,8 +30,12 @@ class KvPastTheState:
     def _keeps_kv_past_the_state(self, req: Any, up_to: int) -> bool:
         """Whether a finished request's KV past its tree state still waits to be inserted: only
         for the Full + Mamba components (no SWA window to keep), and not with the session radix
-        cache (it registers the first insert's end as the session's leaf). Reads only."""
-        return (req.finished() and self.enable_mamba_extra_buffer and not self.disable and req.kv.holds_kv
+        cache (it registers the first insert's end as the session's leaf), and only for a request
+        whose record tracks what it computed (`insert_provenance.tracks`): SGLang's insert stopped
+        where the request's components capped it (another wing's request, e.g. LinearKV's
+        assembled chunks, publishes nothing past its exact prefix), and KV of unknown provenance
+        is not worth keeping. Reads only."""
+        return (tracks(record_of(req)) and req.finished() and self.enable_mamba_extra_buffer and not self.disable and req.kv.holds_kv
                 and not req.skip_radix_cache_insert and not self.enable_session_radix_cache
                 and {c.component_type for c in self._components_tuple} == {ComponentType.FULL, ComponentType.MAMBA}
                 and up_to // self.page_size * self.page_size > req.kv.cache_protected_len)

@@ -45,6 +45,9 @@ TAINT = 1.1754943508222875e-38   # float32's smallest normal value: > 0, below a
 #: the bound of a position whose gates the forward did not see (a replay from zero drops at most
 #: the whole state: relative error <= 1)
 UNKNOWN = 1.0
+#: the bound of KV or a state whose computation no record tracks (`insert_provenance`): not exact
+#: under any threshold, and never resumed from
+UNTRACKED = math.inf
 
 
 def counts_exact(bound: float, threshold: float) -> bool:

@@ -168,7 +168,7 @@ class ProvenanceOnInsert:
             record_stored_bound("kv", float(kv.max()) if kv.numel() else 0.0)
         if params.mamba_value is None:
             return
-        state_bound = float(self.cache.insert_bounds(depth - 1, depth)[0]) if depth > 0 else 0.0
+        state_bound = self.cache.insert_state_bound(depth)
         cd = node.component_data[self.component_type]
         old = provenance_of(node)
         if not is_new_leaf and cd.value is not None and old is not None and old.state > state_bound \

@@ -734,3 +734,53 @@ def test_a_match_walks_its_path_once(page):
     assert plan_of(req).matched_tokens == floor_page(36, page)
     h.finish(req)
     h.assert_no_leak()
+
+
+# ---------------------------------------------------------------- fail closed (issue 43, item 1)
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_a_request_served_past_its_plan_inserts_untracked_kv_never_exact(page):
+    """A request another wing serves after its match (LinearKV's assembly drops the Tail-Replay
+    plan) computed what it inserts in a way no record tracks: its new KV and state enter the tree
+    as UNTRACKED, and an exact request later reads none of it."""
+    from sglang_ext.tail_replay.provenance import UNTRACKED
+
+    h = Harness(page)
+    h.run(A)
+    tokens = A[:30] + seq(5000, 10)
+    req = h.admit(tokens, {"exactness": "exact"})
+    record_of(req).drop_plan()
+    h.finish(req, output=[9])
+    leaf = h.cache.tree_core.node_by_id(req.last_node)
+    prov = provenance_of(leaf)
+    assert prov is not None and bool((prov.kv == UNTRACKED).all()), prov
+    if leaf.component_data[MAMBA].value is not None:
+        assert prov.state == UNTRACKED
+    again = h.admit(tokens + [9], {"exactness": "exact"})
+    assert plan_of(again).matched_tokens <= floor_page(30, page)
+    h.finish(again)
+    h.assert_no_leak()
+
+
+@pytest.mark.parametrize("dropped", [False, True])
+def test_an_untracked_insert_never_relabels_an_approximate_node_on_overlap(dropped):
+    """Fresh exact KV replaces an approximate node's on overlap (dropped=False); the same insert
+    with its plan dropped (provenance unknown) leaves the node, and its approximate label, alone."""
+    h = Harness(1)
+    h.run(A)
+    approx = h.run(A[:30] + seq(5000, 10))                 # its KV [30, 40) is approximate (UNKNOWN)
+    node = h.cache.tree_core.node_by_id(approx.last_node)
+    assert h.depth(approx.last_node) == 40 and provenance_of(node).kv_max() == UNKNOWN
+    slots = node.component_data[FULL].value.tolist()
+    req = h.admit(A[:30] + seq(5000, 10) + seq(8000, 4), {"exactness": "exact"})   # reads [0, 30) only
+    assert plan_of(req).matched_tokens == 30
+    if dropped:
+        record_of(req).drop_plan()
+    h.finish(req)
+    prov = provenance_of(node)
+    if dropped:
+        assert prov.kv_max() == UNKNOWN and node.component_data[FULL].value.tolist() == slots
+    else:
+        assert prov is None or prov.kv is None   # the request's exact KV took the node's place
+    h.assert_no_leak()

@@ -10,6 +10,9 @@ import pytest
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from sglang_ext.tail_replay.cache import TailReplayRadixCache
+from sglang_ext.tail_replay.config import TailReplayConfig
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
+from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest
 
 
 def _cache(**overrides):
@@ -19,9 +22,19 @@ def _cache(**overrides):
     return SimpleNamespace(**{**base, **overrides})
 
 
-def _req(finished=True, protected=192, holds_kv=True, skip=False):
+def _record(planned=True, dropped=False) -> TailReplayRequest:
+    record = TailReplayRequest(TailReplayConfig())
+    if planned:
+        record.set_plan(ReplayPlan(HitKind.MISS, 0, 0, 0))
+    if dropped:
+        record.drop_plan()   # another wing served the request (LinearKV's assembled chunks)
+    return record
+
+
+def _req(finished=True, protected=192, holds_kv=True, skip=False, record=None):
     return SimpleNamespace(finished=lambda: finished, skip_radix_cache_insert=skip,
-                           kv=SimpleNamespace(holds_kv=holds_kv, cache_protected_len=protected))
+                           kv=SimpleNamespace(holds_kv=holds_kv, cache_protected_len=protected),
+                           **{RECORD_ATTR: _record() if record is None else record})
 
 
 def keeps(cache, req, up_to=200) -> bool:
@@ -42,6 +55,10 @@ def test_a_finished_request_under_the_extra_buffer_inserts_the_kv_past_its_state
     (_cache(), _req(skip=True), 200),
     (_cache(), _req(protected=200), 200),                        # SGLang's insert reached the end
     (_cache(page_size=16), _req(), 200),                         # less than a page past the state
+    # untracked provenance (issue 43, item 1): nothing past what SGLang's insert took
+    (_cache(), _req(record=_record(dropped=True)), 200),          # a dropped plan (LinearKV's assembly)
+    (_cache(), _req(record=_record(planned=False)), 200),         # a record without a plan
+    (_cache(), SimpleNamespace(**{**vars(_req()), RECORD_ATTR: None}), 200),   # no record (a session turn)
     (_cache(_components_tuple=(SimpleNamespace(component_type=ComponentType.FULL),
                                SimpleNamespace(component_type=ComponentType.MAMBA),
                                SimpleNamespace(component_type=ComponentType.SWA))), _req(), 200),

@@ -160,3 +160,59 @@ def test_exactness_keys_are_validated_and_the_threshold_is_the_servers():
     with pytest.raises(TailReplayConfigError, match="'exact_threshold': is a server setting"):
         with_overrides(CFG, {"exact_threshold": 0.5})
     assert with_overrides(CFG, {"exactness": "exact"}).strict
+
+
+# ---------------------------------------------------------------- fail closed (issue 43, item 1)
+
+
+def _planned(carry=None, floor=0.0):
+    from sglang_ext.tail_replay.request import TailReplayRequest
+
+    record = TailReplayRequest(CFG)
+    record.set_plan(ReplayPlan(HitKind.APPROXIMATE, 40, 30, 30), carry, floor)
+    return record
+
+
+def test_an_insert_by_a_planned_request_carries_its_bounds():
+    from sglang_ext.tail_replay.insert_provenance import insert_bounds, state_bound
+
+    record = _planned(CarryBound(start=30), floor=TAINT)
+    bounds = insert_bounds(record, 28, 34, caching=True)
+    assert bounds[:2].tolist() == [TAINT, TAINT] and bool((bounds[2:] == UNKNOWN).all())   # no gates seen
+    assert state_bound(record, 34, caching=True) == UNKNOWN and state_bound(record, 0, caching=True) == 0.0
+    assert insert_bounds(_planned(), 0, 3, caching=True).tolist() == [0.0] * 3            # an exact plan
+
+
+def test_an_insert_of_unknown_provenance_is_untracked_never_exact():
+    from sglang_ext.tail_replay.insert_provenance import insert_bounds, state_bound, tracks
+    from sglang_ext.tail_replay.provenance import UNTRACKED
+    from sglang_ext.tail_replay.request import TailReplayRequest
+
+    dropped = _planned()
+    dropped.drop_plan()                                   # LinearKV's assembly serves it instead
+    unplanned = TailReplayRequest(CFG)                    # a record made at caching, never matched
+    for record in (None, dropped, unplanned):
+        assert not tracks(record)
+        assert insert_bounds(record, 5, 9, caching=True).tolist() == [UNTRACKED] * 4
+        assert state_bound(record, 9, caching=True) == UNTRACKED
+        assert not counts_exact(UNTRACKED, CFG.exact_threshold) and not counts_exact(UNTRACKED, 0.0)
+    # transferred KV (PD decode): whatever the request's own plan says
+    assert insert_bounds(_planned(), 0, 2, caching=True, transferred=True).tolist() == [UNTRACKED] * 2
+    # a state the request withheld that reaches the tree anyway
+    withheld = _planned()
+    withheld.withhold_state()
+    assert state_bound(withheld, 9, caching=True) == UNTRACKED
+    # no request caching (SGLang's storage prefetch: the storage tier holds strictly exact KV only)
+    assert insert_bounds(None, 0, 2, caching=False).tolist() == [0.0, 0.0]
+
+
+def test_untracked_kv_cuts_the_exact_mode_and_is_never_an_approximate_checkpoint():
+    from sglang_ext.tail_replay.provenance import UNTRACKED
+
+    prov = path_provenance([(16, None, False, 1), (24, NodeProvenance(torch.full((24,), UNTRACKED), UNTRACKED), True, 2)])
+    assert prov.first_inexact == 16
+    assert prov.deepest_exact_state(CFG.exact_threshold, strict=True) is None
+    assert prov.deepest_exact_state(CFG.exact_threshold, strict=False) is None
+    state = prov.deepest_approximate_state(CFG.exact_threshold)
+    plan = plan_replay(40, None, 1, CFG, (state.depth, state.bound))
+    assert plan.kind is not HitKind.APPROXIMATE_CHECKPOINT

@@ -1,0 +1,61 @@
+"""The one place that decides the provenance of what enters the tree (pure: no SGLang import;
+torch only where tensors are built). Every insert, state store and host write-back of the Tail-
+Replay cache (and of every wing built on it) asks `insert_bounds` / `state_bound`; the storage
+write reads the result off the tree (`TailReplayRadixCache.write_backup_storage`).
+
+Fail closed: the provenance of what a request inserts is known only while its record holds the
+plan it was served by (`tracks`). Anything else is UNTRACKED (`provenance.UNTRACKED`, an infinite
+bound: never exact under any threshold, never resumed from, never written to storage, never
+replacing a label on overlap):
+
+- no record: a request the planner never matched (a streaming session's later turn, answered from
+  its session slot; a request whose KV was computed elsewhere and transferred);
+- a dropped plan: another wing served the request some other way after the match (LinearKV's
+  assembled chunks, `TailReplayRequest.drop_plan`);
+- transferred KV: the decode side of PD disaggregation inserts KV a prefill server computed;
+- a withheld state that reaches the tree anyway (its request said it is not to be kept).
+
+An insert that runs outside any request's caching (SGLang's storage prefetch grafting pages the
+storage tier holds, which takes strictly exact KV only) is exact.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sglang_ext.tail_replay.provenance import UNTRACKED
+from sglang_ext.tail_replay.request import TailReplayRequest, bounds_of
+
+if TYPE_CHECKING:
+    import torch
+
+
+def tracks(record: TailReplayRequest | None) -> bool:
+    """Whether the record knows how the request computed what it inserts: it holds its plan."""
+    return record is not None and record.plan is not None
+
+
+def insert_bounds(record: TailReplayRequest | None, start: int, end: int, *, caching: bool,
+                  transferred: bool = False) -> torch.Tensor:
+    """The bound of each position in [start, end) an insert brings into the tree (float32, CPU).
+
+    caching: the insert is a request's caching (`checkpoint_into_tree`; `record` is that request's
+    record, or None); False: an insert without a request (exact, see the module docstring).
+    transferred: the request's KV past its own match was computed elsewhere (PD decode)."""
+    import torch
+
+    if not caching:
+        return torch.zeros(max(end - start, 0), dtype=torch.float32)
+    if transferred or not tracks(record):
+        return torch.full((max(end - start, 0),), UNTRACKED, dtype=torch.float32)
+    return bounds_of(record, start, end)
+
+
+def state_bound(record: TailReplayRequest | None, depth: int, *, caching: bool, transferred: bool = False) -> float:
+    """The bound of a state an insert stores at `depth` (the bound of its last position; 0 at
+    the root). A state its request withheld is UNTRACKED."""
+    if depth <= 0:
+        return 0.0
+    if caching and record is not None and record.state_withheld:
+        return UNTRACKED
+    return float(insert_bounds(record, depth - 1, depth, caching=caching, transferred=transferred)[0])
