@@ -5,8 +5,11 @@ benchmarks/README.md write them) or `results/...` (relative to the document: fro
 docs' own links write them; anywhere else such a path points to no results file and fails). A
 path that only ever appears as a command's `--out` / `--out-dir` is where a rerun would write (a
 withdrawn run's command keeps one), not a citation, and need not exist yet; one written as
-`git show COMMIT:docs/results/RUN/FILE` is an artefact that left the tree, and RUN's manifest must
-record it as removed at that commit (or the file is still in the tree: an earlier version of it).
+`git show COMMIT:docs/results/RUN/FILE` (or `COMMIT:docs/results/RUN/FILE`, as a historical table's
+comment and the commands reading superseded runs write it) is an artefact that left the tree: that
+commit must hold it, and where RUN's folder is still in the tree its manifest must record the file
+as removed at that commit (or the file is still in the tree: an earlier version of it). A superseded
+run leaves the tree whole; the documents cite it by commit.
 
 Every run folder's MANIFEST.json (scripts/results_manifest.py) lists each artefact beside it with
 its size and sha256; per-request files are committed gzipped (`*.jsonl.gz`)."""
@@ -17,6 +20,8 @@ import gzip
 import importlib.util
 import json
 import re
+import subprocess
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -27,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _PATH = re.compile(r"(?<![\w/.-])((?:docs/)?results/[A-Za-z0-9_.\-/]+)")
 _OUT_FLAG = re.compile(r"--out(?:-dir)?[ =]+$")   # right before a path: the command writes there
-_GIT_SHOW = re.compile(r"git show ([0-9a-f]{7,40}):$")  # right before a path: an artefact that left the tree
+_GIT_SHOW = re.compile(r"(?<![\w])([0-9a-f]{7,40}):$")  # right before a path: an artefact that left the tree
+_GIT_PATH = re.compile(r"(?<![\w])([0-9a-f]{7,40}):(docs/results/[A-Za-z0-9_.\-/]+)")
 _spec = importlib.util.spec_from_file_location("results_manifest", ROOT / "scripts" / "results_manifest.py")
 manifest = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(manifest)   # type: ignore[union-attr]
@@ -52,9 +58,22 @@ def _referenced() -> dict[Path, list[str]]:
 def _history_citations() -> list[tuple[str, str, Path]]:
     found = []
     for doc in DOCS:
-        for match in re.finditer(r"git show ([0-9a-f]{7,40}):(docs/results/[A-Za-z0-9_.\-/]+)", doc.read_text()):
-            found.append((str(doc.relative_to(ROOT)), match.group(1), ROOT / match.group(2).rstrip(".,;:")))
+        for match in _GIT_PATH.finditer(doc.read_text()):
+            found.append((str(doc.relative_to(ROOT)), match.group(1), match.group(2).rstrip(".,;:")))
     return found
+
+
+@cache
+def _git_show(commit: str, rel: str) -> bytes:
+    """The file `rel` (from the repository root) as commit `commit` holds it; ValueError naming
+    both when git cannot show it (no such commit, the file not in it, or no git history here)."""
+    try:
+        done = subprocess.run(["git", "-C", str(ROOT), "show", f"{commit}:{rel}"], capture_output=True, timeout=60)
+    except OSError as exc:
+        raise ValueError(f"git show {commit}:{rel}: git did not run ({exc})") from exc
+    if done.returncode:
+        raise ValueError(f"git show {commit}:{rel}: {done.stderr.decode().strip()}")
+    return done.stdout
 
 
 def test_docs_point_to_results_files():
@@ -128,13 +147,21 @@ def test_results_stay_small_and_per_request_files_gzipped():
 
 def test_removed_artefacts_cited_by_commit_are_in_their_manifest():
     cited = _history_citations()
-    assert cited   # the LinearKV replay records are cited by commit
-    for doc, commit, path in cited:
-        if path.is_file():
-            continue   # an earlier version of an artefact still in the tree
+    assert cited   # the LinearKV replay records and the superseded replays are cited by commit
+    problems = []
+    for doc, commit, rel in cited:
+        path = ROOT / rel
+        try:
+            _git_show(commit, rel.rstrip("/"))
+        except ValueError as exc:
+            problems.append(f"{doc}: {exc}")
+            continue
+        if rel.endswith("/") or path.is_file() or not path.parent.is_dir():
+            continue   # a folder, an earlier version of an artefact still in the tree, or a run that left it whole
         removed = manifest.read(path.parent).get("removed", [])
-        assert any(commit.startswith(h["commit"][:len(commit)]) and path.name in h["files"] for h in removed), \
-            f"{doc}: git show {commit}:{path.relative_to(ROOT)} is not recorded as removed in its manifest"
+        if not any(commit.startswith(h["commit"][:len(commit)]) and path.name in h["files"] for h in removed):
+            problems.append(f"{doc}: git show {commit}:{rel} is not recorded as removed in its manifest")
+    assert not problems, "\n".join(problems)
 
 
 def test_linearkv_reference_records_read_from_the_committed_gzip():
@@ -145,7 +172,12 @@ def test_linearkv_reference_records_read_from_the_committed_gzip():
 # --- every number in a results table is a value of the file it cites ----------------------------
 # Convention (README.md, docs/*.md): a results table sits right under a comment naming its sources,
 #     <!-- results: docs/results/RUN/report.json [more files] [; from per-request files: COLUMN, ...] -->
-# (paths from the repository root; JSON, per-request .jsonl.gz, or the .md table a run wrote). Every
+# (paths from the repository root; JSON, per-request .jsonl.gz, or the .md table a run wrote). A
+# table of superseded runs that left the tree says so and cites each of them by the commit that
+# holds it,
+#     <!-- results: historical, git COMMIT:docs/results/RUN/report.json [docs/results/KEPT/report.json] -->
+# and its numbers are checked against `git show COMMIT:PATH` (a commit-held source in a table not
+# marked historical fails, as does a historical table without one). Every
 # number in the table's body, outside its first column (the row's name) and outside `code`, must be
 # a value of those files at the precision it is printed with: as stored, as a percentage of a
 # fraction (x 100), in ms of a value in s (x 1000), per request (a count divided by the run's
@@ -208,14 +240,14 @@ def _numbers(text: str) -> list[tuple[float, float]]:
     return out
 
 
-def _pool(path: Path) -> list[float]:
-    """The values a table citing `path` may print."""
-    if path.name.endswith(".jsonl.gz"):
-        data = [json.loads(x) for x in gzip.decompress(path.read_bytes()).decode().splitlines() if x.strip()]
-    elif path.suffix == ".json":
-        data = json.loads(path.read_text())
+def _pool(name: str, raw: bytes) -> list[float]:
+    """The values a table citing the file `name` (its content `raw`) may print."""
+    if name.endswith(".jsonl.gz"):
+        data = [json.loads(x) for x in gzip.decompress(raw).decode().splitlines() if x.strip()]
+    elif name.endswith(".json"):
+        data = json.loads(raw)
     else:   # a table the run wrote
-        return [v for v, _ in _numbers(path.read_text())]
+        return [v for v, _ in _numbers(raw.decode())]
     out: list[float] = []
 
     def walk(x):
@@ -259,21 +291,33 @@ def _table_problems(where: str, comment: str | None, rows: list[str]) -> list[st
     if kind == "not results":
         return []
     files_part, *clauses = body.split(";")
-    files = files_part.split()
+    historical = files_part.strip().startswith("historical,")
+    files = [f for f in files_part.strip().removeprefix("historical,").split() if f != "git"]
+    held = {f: m.groups() for f in files if (m := re.fullmatch(r"([0-9a-f]{7,40}):(docs/results/\S+)", f))}
+    if held and not historical:
+        return [f"{where}: cites {sorted(held)} by commit, in a table not marked `results: historical,`"]
+    if historical and not held:
+        return [f"{where}: a historical table cites its superseded runs by commit (git COMMIT:PATH)"]
     exempt = []
     for clause in clauses:
         label, _, names = clause.partition(":")
         if label.strip() not in _EXEMPT:
             return [f"{where}: unknown clause {label.strip()!r} in the results comment (one of {_EXEMPT})"]
         exempt += [c.strip() for c in names.split(",") if c.strip()]
-    problems = [f"{where}: cites {f}, which is not a file" for f in files if not (ROOT / f).is_file()]
+    sources: dict[str, bytes] = {}
+    problems = []
+    for f in files:
+        try:
+            sources[f] = _git_show(*held[f]) if f in held else (ROOT / f).read_bytes()
+        except (ValueError, OSError):
+            problems.append(f"{where}: cites {f}, which is not a file" + (" that commit holds" if f in held else ""))
     if not files or problems:
         return problems or [f"{where}: the results comment names no file"]
     names = [r[0].replace("**", "") for r in body_rows]
     missing = [c for c in exempt if not any(h.startswith(c) for h in [*header, *names])]
     if missing:
         return [f"{where}: exempt column(s) or row(s) {missing} in neither the header {header} nor the rows"]
-    pool = [v for f in files for v in _pool(ROOT / f)]
+    pool = [v for f in files for v in _pool(f, sources[f])]
     for r in body_rows:
         if any(r[0].replace("**", "").startswith(c) for c in exempt):
             continue
@@ -315,3 +359,22 @@ def test_a_number_that_drifted_from_its_file_is_named(tmp_path):
         "['server', 'reused, of ideal', 'TTFT p50 s'] nor the rows"]
     assert _numbers("<0.0001 / **0.0057** (`w4-c8`) 316,928 8.2x") == [
         (0.0001, -1.0), (0.0057, pytest.approx(5e-5)), (316928.0, 0.5), (8.2, pytest.approx(0.05))]
+
+
+def test_a_historical_table_is_checked_against_the_commit_that_holds_its_run(tmp_path):
+    # replay-kv48-heldout-eb left the tree after 286d3cf (stock 80.3 %, Tail-Replay 94.1 % of ideal)
+    held = "286d3cf:docs/results/replay-kv48-heldout-eb/report.json"
+    rows = ["| server | reused, of ideal |", "|---|---:|", "| stock | 80.3 % |", "| Tail-Replay | 94.1 % |"]
+    assert _table_problems("doc.md:4", f"<!-- results: historical, git {held} -->", rows) == []
+    drifted = [*rows[:3], "| Tail-Replay | 94.2 % |"]
+    assert _table_problems("doc.md:4", f"<!-- results: historical, git {held} -->", drifted) == [
+        f"doc.md:4: row 'Tail-Replay', column 'reused, of ideal': 94.2 is in none of ['{held}']"]
+    assert _table_problems("doc.md:4", f"<!-- results: git {held} -->", rows) == [
+        f"doc.md:4: cites ['{held}'] by commit, in a table not marked `results: historical,`"]
+    assert _table_problems("doc.md:4", "<!-- results: historical, docs/results/replay-kv48-default/report.json -->",
+                           rows) == ["doc.md:4: a historical table cites its superseded runs by commit (git COMMIT:PATH)"]
+    missing = "286d3cf:docs/results/no-such-run/report.json"
+    assert _table_problems("doc.md:4", f"<!-- results: historical, git {missing} -->", rows) == [
+        f"doc.md:4: cites {missing}, which is not a file that commit holds"]
+    with pytest.raises(ValueError, match="git show 286d3cf:docs/results/no-such-run/report.json"):
+        _git_show("286d3cf", "docs/results/no-such-run/report.json")
