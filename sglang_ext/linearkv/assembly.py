@@ -13,6 +13,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
+from sglang_ext.linearkv.admission import RoundBudget, round_slots
 from sglang_ext.linearkv.prepass import PrePass, StateSeed, write_seed
 from sglang_ext.linearkv.serving import COMPOSING_RULES, LinearKVRequest
 from sglang_ext.linearkv.serving import record_of as linearkv_record
@@ -22,6 +23,30 @@ from sglang_ext.tail_replay import record_of
 class ChunkAssembly:
     """Admission of assembled requests. May mutate: the request's record (slots, locks, seeds,
     counts), its state slots and deferred copy-on-write, the KV and state pools, node locks."""
+
+    #: the state slots of the admission round under way (`admission.RoundBudget`), opened by
+    #: `patches/linearkv_admission.py` as SGLang's PrefillAdder starts a round
+    admission: RoundBudget | None = None
+
+    def open_admission_round(self, adder: Any) -> RoundBudget:
+        """A round begins: its budget is SGLang's (`rem_mamba_slots`) where it keeps one, else
+        SGLang's formula (free state slots plus the tree's evictable states). May mutate:
+        `admission`."""
+        start = adder.rem_mamba_slots
+        if start is None:
+            start = self.req_to_token_pool.mamba_allocator.schedulable_available_size() + self.mamba_evictable_size()
+        self.admission = RoundBudget(adder, start)
+        return self.admission
+
+    def tracking_slots_of(self, req: Any) -> int:
+        """Ping-pong track slots the request has still to take (`extra_buffer`), 0 otherwise."""
+        if not self.enable_mamba_extra_buffer or req.kv.mamba_ping_pong_track_buffer is not None:
+            return 0
+        return self.req_to_token_pool.mamba_initial_tracking_slots
+
+    def round_slots_of(self, req: Any) -> int:
+        """State slots the request takes from this round's pool (`admission.round_slots`)."""
+        return round_slots(req.kv.holds_mamba, getattr(req, "session", None) is not None, self.tracking_slots_of(req))
 
     def init_load_back(self, params: Any):
         req = params.req
@@ -50,7 +75,17 @@ class ChunkAssembly:
         prefix_node, prefix_root = prefix
         nodes, prefix_state = found
         sources = [prefix_node, *nodes, *([prefix_state] if prefix_state is not None else [])]
-        locks = [self.lock(node) for node in sources]
+        if plan.heads and not plan.seeds_zero:
+            reads = list(range(1, len(sources)))   # the seeds of EPIC's heads read these nodes' states
+        elif plan.state == "predecessor":
+            reads = [len(nodes)]                   # the question's copy-on-write reads the last chunk's
+        else:
+            reads = []
+        budgeted = self._lock_sources(req, sources, reads)
+        if budgeted is None:
+            self._declined(req, record)
+            return 0
+        locks, held = budgeted
         keep: list[int] = []   # indices of the locks held until the first forward has read the states
         try:
             p0 = record.tree_prefix_len
@@ -70,14 +105,13 @@ class ChunkAssembly:
                 self.token_to_kv_pool_allocator.free(slots)
                 self._declined(req, record)
                 return 0
-            if plan.heads and not plan.seeds_zero:
-                keep = list(range(1, len(locks)))   # the seeds of EPIC's heads read these nodes' states
-            elif record.state_source == "predecessor":
-                keep = [len(nodes)]                 # the question's copy-on-write reads the last chunk's
+            keep = reads
         finally:
-            for i, lock in enumerate(locks):
+            for i, lock in locks.items():
                 if i not in keep:
                     self.unlock(lock)
+        if self.admission is not None:
+            self.admission.debit(held)
         record.locks = [locks[i] for i in keep]
         record.reads_done = None
         record.slots = slots
@@ -88,6 +122,22 @@ class ChunkAssembly:
         if tr is not None:   # the Tail-Replay plan over P was only the fallback
             tr.drop_plan()
         return total
+
+    def _lock_sources(self, req: Any, sources: list[Any], reads: list[int]) -> tuple[dict[int, Any], int] | None:
+        """Lock every source node; ({index: lock}, the evictable states the locks on `reads` take
+        out of the pool until the request's first forward), or None (nothing locked) when this
+        round's state slots (`admission`) cannot cover the request's own slots and those states.
+        Reads the budget; the caller debits `held` once the load succeeds. May mutate: node locks."""
+        evictable = self.mamba_evictable_size()
+        locks = {i: self.lock(sources[i]) for i in reads}
+        held = evictable - self.mamba_evictable_size()
+        locks.update((i, self.lock(node)) for i, node in enumerate(sources) if i not in locks)
+        budget = self.admission   # this round's (a load runs only inside SGLang's PrefillAdder)
+        if budget is not None and not budget.fits(self.round_slots_of(req) + held):
+            for lock in locks.values():
+                self.unlock(lock)
+            return None
+        return locks, held
 
     def _declined(self, req: Any, record: LinearKVRequest) -> None:
         """The load is declined: the request runs Tail-Replay's plan over P and prefills the rest."""
@@ -116,8 +166,7 @@ class ChunkAssembly:
         they are not there). False (nothing taken): not enough slots even after eviction."""
         pool = self.req_to_token_pool
         kv = req.kv
-        tracking = (pool.mamba_initial_tracking_slots
-                    if self.enable_mamba_extra_buffer and kv.mamba_ping_pong_track_buffer is None else 0)
+        tracking = self.tracking_slots_of(req)
         needed = (0 if kv.holds_mamba else 1) + tracking
         allocator = pool.mamba_allocator
         if allocator.schedulable_available_size() < needed:

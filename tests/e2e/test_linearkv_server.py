@@ -635,3 +635,32 @@ def test_a_plain_exact_request_over_assembled_tokens_reads_no_chunk_kv(served):
     read = plain["meta_info"]["cached_tokens_details"]["tail_replay"]
     assert read["matched_tokens"] <= len(prefix) and plain["meta_info"]["cached_tokens"] <= len(prefix), read
     assert _logprobs(plain) == pytest.approx(_logprobs(full(server, ids)), abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rounds_full_of_loads_and_plain_requests_keep_the_state_pool(served, arch):
+    """Issue 43, item 5: 24 requests at once, EPIC-4 requests over shared chunks (each load takes
+    its state slots, under extra_buffer its ping-pong slots too, and keeps 5 chunk states locked
+    until its first forward) among plain prompts and fresh registrations, so admission rounds fill
+    the state pool: every request answers, and afterwards the pools add up (SGLang's strict idle
+    check) and the scheduler is up."""
+    procs, _ = served
+    server = procs[arch]
+    pool = [_ids(40, 700 + i) for i in range(4)]
+    prefix = _ids(16, 699)
+    assert _details(ask(server, prefix, pool, _ids(4, 698), selector="epic-4"))["chunks_hit"] == 4
+
+    def one(i: int) -> dict:
+        rng = random.Random(i)
+        if i % 3 == 0:
+            return server.generate(input_ids=_ids(120, 7100 + i), sampling_params={"max_new_tokens": 4})
+        if i % 3 == 1:
+            return ask(server, prefix, rng.sample(pool, 4), _ids(6, 7200 + i), new=4, selector="epic-4")
+        return ask(server, _ids(8, 7300 + i), [_ids(40, 7400 + i), rng.choice(pool)], _ids(6, 7500 + i), new=4)
+
+    with ThreadPoolExecutor(24) as ex:
+        answers = list(ex.map(one, range(24)))
+    assert all(a["output_ids"] for a in answers)
+    time.sleep(1.0)   # idle: the strict pool check runs
+    _alive(server)
+    assert "Traceback" not in server.log_text(), server.log_text()[-4000:]
