@@ -1,9 +1,10 @@
 """The main job on a fresh machine: build a tiny hybrid, serve it patched, show prefix reuse.
 
 `python -m sglang_ext demo [--arch qwen3-next] [--workdir runs/demo] [--server-args ...]`
-prints, per request, prompt length, cached (reused) tokens and latency for a multi-turn
-conversation over one long document, and for a second question that shares only the document,
-once with SGLang's stock radix cache and once with Tail-Replay.
+prints, per request, prompt length, cached (reused) tokens, latency and whether the answer was
+exact (and, when it was not, the bound of the state it started from: meta_info's `tail_replay`
+block) for a multi-turn conversation over one long document, and for a second question that shares
+only the document, once with SGLang's stock radix cache and once with Tail-Replay.
 """
 
 from __future__ import annotations
@@ -23,12 +24,37 @@ BACKENDS = {
 }
 
 
+#: printed under the Tail-Replay table: what "exact" and the bound mean for a user
+EXACTNESS_NOTE = ("exact: the answer is the one a server without cache gives (stock SGLang's answers always are); "
+                  "otherwise the bound is the relative error bound of the linear-layer state the answer started "
+                  "from (an approximate replay of a short tail of the cached prefix), which is what bought the "
+                  "reused tokens. To get only exact answers, send `exactness: \"exact\"`.")
+
+
 @dataclass(frozen=True)
 class Turn:
     label: str
     prompt_tokens: int
     cached_tokens: int
     latency_s: float
+    #: whether the answer equals a server without cache's
+    exact: bool = True
+    #: the bound of the state the answer started from, where Tail-Replay planned the request
+    bound: float | None = None
+
+
+def exactness(meta: dict) -> tuple[bool, float | None]:
+    """(exact, bound) of an answer from its meta_info: Tail-Replay's summary
+    (`cached_tokens_details.tail_replay`: `exact`, `bound`, and `kv_exact` where the server reports
+    whether everything the request read was exact); a request without one (stock SGLang, or a
+    request Tail-Replay did not plan) is exact."""
+    details = meta.get("cached_tokens_details")
+    summary = details.get("tail_replay") if isinstance(details, dict) else None
+    if not isinstance(summary, dict):
+        return True, None
+    exact = bool(summary.get("exact", True)) and bool(summary.get("kv_exact", True))
+    bound = summary.get("bound")
+    return exact, None if bound is None else float(bound)
 
 
 def _document(n_tokens: int) -> list[int]:
@@ -40,7 +66,8 @@ def _ask(server: ServerProcess, label: str, ids: list[int]) -> tuple[Turn, list[
     result = server.generate(input_ids=ids, sampling_params={"max_new_tokens": 8, "temperature": 0})
     latency = time.perf_counter() - start
     meta = result["meta_info"]
-    return Turn(label, meta["prompt_tokens"], meta["cached_tokens"], latency), result["output_ids"]
+    exact, bound = exactness(meta)
+    return Turn(label, meta["prompt_tokens"], meta["cached_tokens"], latency, exact, bound), result["output_ids"]
 
 
 def run_conversation(server: ServerProcess) -> list[Turn]:
@@ -56,9 +83,17 @@ def run_conversation(server: ServerProcess) -> list[Turn]:
     return turns
 
 
+def _exact_cell(turn: Turn) -> str:
+    if turn.exact:
+        return "yes"
+    return "no" if turn.bound is None else f"no (bound {turn.bound:.1e})"
+
+
 def format_turns(turns: list[Turn]) -> str:
-    rows = ["| request | prompt tokens | reused (cached) tokens | latency (s) |", "|---|---:|---:|---:|"]
-    rows += [f"| {t.label} | {t.prompt_tokens} | {t.cached_tokens} | {t.latency_s:.3f} |" for t in turns]
+    rows = ["| request | prompt tokens | reused (cached) tokens | latency (s) | exact answer |",
+            "|---|---:|---:|---:|---|"]
+    rows += [f"| {t.label} | {t.prompt_tokens} | {t.cached_tokens} | {t.latency_s:.3f} | {_exact_cell(t)} |"
+             for t in turns]
     return "\n".join(rows)
 
 
@@ -78,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     with servers_running(list(servers.values())):
         for name, server in servers.items():
             print(f"\n### {name}\n\n{format_turns(run_conversation(server))}")
+        print(f"\n{EXACTNESS_NOTE}")
 
 
 if __name__ == "__main__":
