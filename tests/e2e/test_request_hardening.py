@@ -284,6 +284,34 @@ def test_recompute_in_a_streaming_session_leaks_no_kv_slot(servers):
     assert not re.search(r"memory leak|Traceback", server.log_text(), re.I)
 
 
+def test_recompute_in_a_streaming_session_aborted_mid_decode_leaks_no_kv_slot(servers):
+    """The same turn aborted while it decodes: the session gives the row back and it is released
+    as any request's, its own recomputed tail included; the idle check stays clean."""
+    server = servers["pure"]
+    document = random_prompt(3 * CHUNK, seed=61)
+    assert post(server, {"temperature": 0}, ids=document + [7]).status_code == 200
+    session_id = requests.post(f"{server.url}/open_session", timeout=60,
+                               json={"capacity_of_str_len": 8192, "streaming": True}).json()
+    recompute = {"temperature": 0, "max_new_tokens": 1000, "ignore_eos": True,
+                 "custom_params": {"tail_replay": {"kv_mode": "recompute", "budget": 0.5}}}
+    rid = f"hardening-abort-{session_id}"
+    with requests.post(f"{server.url}/generate", timeout=120, stream=True, json={
+            "input_ids": document + random_prompt(40, seed=62), "sampling_params": recompute, "stream": True,
+            "rid": rid, "session_params": {"id": session_id}}) as turn:
+        lines = turn.iter_lines()
+        first = next(line for line in lines if line.startswith(b"data: {"))
+        assert json.loads(first[6:])["meta_info"]["cached_tokens_details"]["tail_replay"]["replayed_tokens"] == 96
+        assert requests.post(f"{server.url}/abort_request", timeout=60, json={"rid": rid}).status_code == 200
+        events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    finish = events[-1]["meta_info"]["finish_reason"]
+    assert finish["type"] == "abort" and events[-1]["meta_info"]["completion_tokens"] < 1000
+    wait_for_idle_check(server, sanity_check_seconds(server))
+    assert requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session_id}).status_code == 200
+    wait_for_idle_check(server, sanity_check_seconds(server))
+    assert still_serving(server)
+    assert not re.search(r"memory leak|Traceback", server.log_text(), re.I)
+
+
 def test_keep_checkpoints_override_is_refused_without_checkpoints(servers):
     server = servers["pure"]
     resp = post(server, {"custom_params": {"tail_replay": {"keep_checkpoints": True}}},
