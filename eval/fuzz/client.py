@@ -22,7 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-TIMEOUT_S = 600.0
+#: a request without an answer after this long is a hang (the tiny CPU models answer in seconds,
+#: also on shared cores); the observation then has status 0 and error "timeout: ..."
+TIMEOUT_S = 120.0
 
 
 def _tenant_fields(tenant: list) -> dict:
@@ -151,28 +153,34 @@ def run_op(url: str, op: dict, context: Callable[[int], list[int] | None]) -> li
             return _abort(url, op)
         if op["op"] == "session":
             return _session(url, op)
+    except requests.Timeout as err:
+        return [_obs(op, 0, list(op.get("ids") or []), 0, None, error=f"timeout: no answer in {TIMEOUT_S:.0f} s ({err})"[:400])]
     except (requests.RequestException, ValueError) as err:
         return [_obs(op, 0, list(op.get("ids") or []), 0, None, error=f"{type(err).__name__}: {str(err)[:300]}")]
     raise ValueError(f"unknown op kind {op['op']!r}")
 
 
-def run_ops(url: str, rounds: list[list[dict]], after_round: Callable[[int], None] | None = None) -> list[dict]:
-    """Send the rounds in order, each round's ops side by side; `after_round(r)` runs after each
-    round (e.g. a wait for SGLang's idle check). Returns the observations."""
+def run_ops(url: str, rounds: list[list[dict]], after_round: Callable[[int, list[dict]], None] | None = None,
+            observations: list[dict] | None = None) -> list[dict]:
+    """Send the rounds in order, each round's ops side by side; `after_round(r, its observations)`
+    runs after each round (e.g. a check that the server is up; it may raise to stop the run).
+    Returns the observations, also appended to `observations` as they come (kept if a round raises)."""
     answers: dict[int, list[int]] = {}
 
     def context(index: int) -> list[int] | None:
         return answers.get(index)
 
-    observations: list[dict] = []
+    observations = [] if observations is None else observations
     with ThreadPoolExecutor(max(1, max(map(len, rounds), default=1))) as pool:
         for r, rnd in enumerate(rounds):
+            this_round: list[dict] = []
             for obs_list in pool.map(lambda op: run_op(url, op, context), rnd):
                 for obs in obs_list:
                     obs["round"] = r
                     if obs["kind"] == "generate" and obs["completed"]:
                         answers[obs["op"]] = obs["ids"] + obs["output_ids"]
-                observations += obs_list
+                this_round += obs_list
+            observations += this_round
             if after_round is not None:
-                after_round(r)
+                after_round(r, this_round)
     return observations

@@ -29,17 +29,18 @@ COMMON = ["--dtype", "float32", "--enable-metrics", "--chunked-prefill-size", "6
 class FuzzConfig:
     name: str
     arch: str
-    backend: str                          # tail_replay | linearkv
+    backend: str                          # tail_replay | linearkv | stock (SGLang's own hybrid cache)
     strategy: str = "no_buffer"           # --mamba-radix-cache-strategy
     hicache: bool = False
     kv_tokens: int = 2048
-    state_slots: int = 8
+    state_slots: int = 16
     extra: tuple[str, ...] = field(default=())
 
     def args(self) -> list[str]:
-        args = [*COMMON, "--radix-cache-backend", self.backend, "--mamba-radix-cache-strategy", self.strategy,
-                "--max-total-tokens", str(self.kv_tokens), "--max-mamba-cache-size", str(self.state_slots),
-                "--enable-streaming-session", "--tail-replay-config", json.dumps(TAIL_REPLAY_CONFIG)]
+        args = [*COMMON, "--mamba-radix-cache-strategy", self.strategy, "--max-total-tokens", str(self.kv_tokens),
+                "--max-mamba-cache-size", str(self.state_slots), "--enable-streaming-session"]
+        if self.backend != "stock":
+            args += ["--radix-cache-backend", self.backend, "--tail-replay-config", json.dumps(TAIL_REPLAY_CONFIG)]
         if self.strategy == "extra_buffer":
             args += ["--mamba-track-interval", "64"]
         if self.backend == "linearkv":
@@ -56,16 +57,21 @@ class FuzzConfig:
         return ServerProcess(model_path, self.args(), log_path=log_path, env=dict(STRICT_CHECK_ENV))
 
 
-#: (extra_buffer: each running request holds its state and two ping-pong slots, hence more slots)
+#: (extra_buffer: each running request holds its state and two ping-pong slots, hence more slots;
+#: 16 state slots at least: with 8, two concurrent streaming sessions' first turns are never answered
+#: on SGLang's own cache too, see benchmarks/README.md, section Exactness fuzzer).
+#: `stock-nobuf` is the control: SGLang's own cache under the same workload (every answer must equal
+#: the server without cache: the oracles' false-positive check; a hang or leak there is SGLang's)
 CONFIGS = {c.name: c for c in (
+    FuzzConfig("stock-nobuf", "qwen3-next", "stock"),
     FuzzConfig("tr-nobuf", "qwen3-next", "tail_replay"),
-    FuzzConfig("tr-eb", "qwen3-next", "tail_replay", "extra_buffer", state_slots=16),
+    FuzzConfig("tr-eb", "qwen3-next", "tail_replay", "extra_buffer", state_slots=24),
     FuzzConfig("tr-nobuf-hicache", "qwen3-next", "tail_replay", hicache=True, kv_tokens=1024),
     FuzzConfig("tr-eb-hicache", "qwen3-next", "tail_replay", "extra_buffer", hicache=True, kv_tokens=1024,
-               state_slots=16),
-    FuzzConfig("lkv-nobuf", "nemotron-h", "linearkv", state_slots=12),
-    FuzzConfig("lkv-eb", "qwen3-next", "linearkv", "extra_buffer", state_slots=20),
-    FuzzConfig("lkv-nobuf-hicache", "qwen3-next", "linearkv", hicache=True, kv_tokens=1024, state_slots=12),
+               state_slots=24),
+    FuzzConfig("lkv-nobuf", "nemotron-h", "linearkv"),
+    FuzzConfig("lkv-eb", "qwen3-next", "linearkv", "extra_buffer", state_slots=28),
+    FuzzConfig("lkv-nobuf-hicache", "qwen3-next", "linearkv", hicache=True, kv_tokens=1024),
 )}
 
 

@@ -10,7 +10,8 @@ reference answers come in as a function.
    alongside it: nothing another tenant cached is reused. (Chunked LinearKV requests reuse their
    own registrations and are not checked.)
 3. and 4. `log_violations`: SGLang's strict idle pool check and tree sanity check (their errors
-   reach the log), tracebacks, and `status_violations`: 5xx answers.
+   reach the log), tracebacks, and `status_violations`: 5xx answers and requests a hung server
+   never answered.
 
 A violation is a dict: {"oracle", "op", "part", "round", "detail"}.
 """
@@ -120,9 +121,11 @@ def tenancy_violations(observations: list[dict]) -> list[dict]:
 
 
 def status_violations(observations: Iterable[dict]) -> list[dict]:
-    """5xx answers (a 400 is a refusal, allowed; status 0 of an op cut on purpose is the client's)."""
-    return [_violation("5xx", o, {"status": o["status"], "error": o["error"]}) for o in observations
-            if o["status"] >= 500]
+    """5xx answers (a 400 is a refusal, allowed; status 0 of an op cut on purpose is the client's)
+    and requests without an answer (`eval.fuzz.client.TIMEOUT_S`: a hung server)."""
+    out = [_violation("5xx", o, {"status": o["status"], "error": o["error"]}) for o in observations if o["status"] >= 500]
+    return out + [_violation("no answer", o, {"error": o["error"]}) for o in observations
+                  if o["status"] == 0 and (o["error"] or "").startswith("timeout")]
 
 
 def log_violations(log_text: str) -> list[dict]:

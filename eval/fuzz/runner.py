@@ -54,6 +54,16 @@ def wait_for_idle_check(server, before: float, timeout_s: float = 60.0) -> bool:
     return False
 
 
+def _answers_or_died(server, r: int) -> None:
+    """After a request went unanswered: a server that answers no new request counts as dead."""
+    try:
+        ok = requests.get(f"{server.url}/health_generate", timeout=60).status_code == 200
+    except requests.RequestException:
+        ok = False
+    if not ok:
+        raise ServerDied(f"the server hung in round {r}: a request got no answer, and /health_generate none in 60 s")
+
+
 def flush(url: str, wait_s: float = 60.0) -> None:
     deadline = time.monotonic() + wait_s
     while requests.post(f"{url}/flush_cache", timeout=120).status_code != 200:
@@ -66,6 +76,15 @@ def check(observations: list[dict], reference: NoCacheReference, tolerance: floa
     reference.prefetch([(o["ids"], len(o["output_ids"])) for o in exactness_targets(observations)])
     return (exactness_violations(observations, reference, tolerance) + tenancy_violations(observations)
             + status_violations(observations))
+
+
+def _closure_ops(workload: Workload, observations: list[dict], in_flight: list[dict]) -> list[dict]:
+    """The round that hung or killed the server: its ops (the round the last observation came from
+    when it raised after the round)."""
+    if observations:
+        r = observations[-1]["round"]
+        return workload.rounds[r]
+    return in_flight
 
 
 def _signature(v: dict, ops_by_index: dict[int, dict]) -> tuple:
@@ -100,20 +119,28 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
         ops_by_index = {op["index"]: op for op in workload.ops()}
         log_start = len(server.log_text())
 
-        def alive(r: int) -> None:
+        def alive(r: int, this_round: list[dict]) -> None:
             if server.proc is None or server.proc.poll() is not None:
                 raise ServerDied(f"the server died in round {r}")
+            if any(o["status"] == 0 and (o["error"] or "").startswith("timeout") for o in this_round):
+                _answers_or_died(server, r)
 
+        observations: list[dict] = []
         try:
             flush(server.url)
-            observations = run_ops(server.url, workload.rounds, after_round=alive)
+            run_ops(server.url, workload.rounds, after_round=alive, observations=observations)
             before = idle_check_seconds(server.url)
             wait_for_idle_check(server, before)
         except (ServerDied, requests.RequestException) as err:
             log = server.log_text()[log_start:]
+            last = max((o["round"] for o in observations), default=-1) + 1
+            in_flight = workload.rounds[last] if last < len(workload.rounds) else workload.rounds[-1]
             violations.append({"oracle": "server died", "seed": seed, "op": None, "part": None, "round": None,
                                "kind": None, "detail": {"error": str(err)[:300]},
-                               "reproduction": {"seed": seed, "note": "the seed's workload, run as generated"}})
+                               "reproduction": {"seed": seed, "note": "the seed's workload, run as generated; "
+                                                "the ops of the last round sent are in `ops`",
+                                                "ops": _closure_ops(workload, observations, in_flight)}})
+            violations += [{**v, "seed": seed, "reproduction": {"seed": seed}} for v in status_violations(observations)]
             violations += [{**v, "seed": seed} for v in log_violations(log)]
             if restart is None:
                 break
