@@ -7,7 +7,8 @@ first output (the model's raw logits at the last prompt position, before any sam
 with a reference: the same prompt re-run with `exactness: "exact"` (only strictly exact KV and
 states reused, so the same distribution as a full prefill), one greedy token, sent by the
 tokenizer process through SGLang's own request path at the least-favoured priority
-(`patches/tail_replay_audit.py`). Recorded per audit: KL(reference || served) over the whole
+(`patches/tail_replay_audit.py`), marked as the server's own run out of band (`audit_of` is no
+request field: `config.BACKGROUND_PARAM_KEY`). Recorded per audit: KL(reference || served) over the whole
 vocabulary, the total variation distance, and whether both put the same token first.
 
 Pure: no SGLang import; torch is imported where a tensor is handled. This module holds the
@@ -167,6 +168,7 @@ class AuditResult:
 
 
 def reference_overrides(rid: str) -> dict:
-    """`custom_params["tail_replay"]` of the reference run for the audited request `rid`: exact
-    reuse only, and no state stored (an audit takes no checkpoint slot from the traffic)."""
+    """The config values of the reference run for the audited request `rid` (the server's mark on
+    it, `config.background_mark`, set out of band: no client can send them): exact reuse only, and
+    no state stored (an audit takes no checkpoint slot from the traffic)."""
     return {"exactness": "exact", "keep_checkpoints": False, "audit_of": rid}
