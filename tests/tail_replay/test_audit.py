@@ -324,3 +324,21 @@ def test_finished_audited_requests_are_found_in_the_output():
     states = {rid: state for rid in out.rids}
     assert tail_replay_audit._audits_due(out, states) == [("a", "forced", state.obj)]
     assert tail_replay_audit._audits_due(SimpleNamespace(rids=["a"], finished_reasons=[None]), states) == []
+
+
+def test_the_server_marks_its_own_runs_after_the_request_check():
+    """patches/tail_replay_request.py: the mark goes from the `GenerateReqInput` the server built (a
+    Python attribute, no request field) into the sampling params bound for the scheduler, after
+    SGLang's check; a request without it (any client's) is left as it is."""
+    from sglang_ext.patches import tail_replay_request
+
+    def create(self, obj, *args):   # SGLang's _create_tokenized_object, reduced to what the wrapper reads
+        return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=obj.sampling_params.get("custom_params")))
+
+    wrapped = tail_replay_request._wrap_create(create)
+    mark = background_mark(reference_overrides("rid-9"))
+    own = tail_replay_request.mark_background_run(SimpleNamespace(sampling_params={"max_new_tokens": 1}), mark)
+    assert wrapped(None, own).sampling_params.custom_params == {BACKGROUND_PARAM_KEY: mark}
+    client = SimpleNamespace(sampling_params={"custom_params": {"tail_replay": {"budget": 0.5}}})
+    assert wrapped(None, client).sampling_params.custom_params == {"tail_replay": {"budget": 0.5}}
+    assert request_overrides(DEFAULTS, wrapped(None, own).sampling_params.custom_params).audit_of == "rid-9"
