@@ -9,8 +9,15 @@ hit of L tokens is reused), `request` (the typed per-request record on SGLang's 
 (config against server flags), `metrics` (Prometheus counters, meta_info summary), `state_bound`
 (pure: each approximate replay's error bound from its tail's gates), `provenance` (pure: the bound
 every cached token and state carries, and how a request carries its own forward), `audit` (pure:
-the live quality audit's sampling decision, divergence and store of served distributions), `cache`
-(the SGLang adapter: `--radix-cache-backend tail_replay`), `own_tail` (kv_mode "recompute").
+the live quality audit's sampling decision, divergence and store of served distributions),
+`insert_provenance` (pure: the one place that decides the bounds of what enters the tree; fail
+closed), `own_tail` (kv_mode "recompute"). The SGLang adapter (`--radix-cache-backend
+tail_replay`), one concern per module: `cache` (the match and its plan, the factory), `component`
+(the Mamba component), `tree_provenance` (a node's provenance on insert / split / overlap, the
+matched path walked once per match), `tiers` (host and storage tiers), `state_order` (which state
+goes first under state pressure), `branch_rules` (branch-point track, shared-state repair asks),
+`kv_past_state` (KV past a finished request's last state under the extra buffer), `sessions`
+(streaming sessions: a later turn planned from its session's provenance).
 
 A request's route (SGLang 0.5.23), seam by seam:
 
@@ -45,9 +52,11 @@ A request's route (SGLang 0.5.23), seam by seam:
    counters of step 3 and the histogram.
 5. cache. `TailReplayMambaComponent.prepare_for_caching_req` / `cleanup_after_caching_req` keep
    every state out of the tree with `keep_checkpoints: false` (record `state_withheld`);
-   `commit_insert_component_data` gives new nodes and stored states the request's bounds
-   (`bounds_of`), `redistribute_on_node_split` splits them, `update_component_on_insert_overlap`
-   lets fresher KV replace an approximate node's; with `kv_mode` "recompute" `own_tail` keeps the
+   `commit_insert_component_data` gives new nodes and stored states the bounds
+   `insert_provenance` decides (the request's own while its record holds its plan; UNTRACKED,
+   never exact, without one: no record, a dropped plan, transferred KV),
+   `redistribute_on_node_split` splits them, `update_component_on_insert_overlap` lets fresher KV
+   of a smaller bound replace an approximate node's; with `kv_mode` "recompute" `own_tail` keeps the
    request's recomputed tail KV its own (record `own_end`, `own_kv`) until `on_release` frees it.
    HiCache (`--enable-hierarchical-cache`): the planner plans over device + host KV
    (`_apply_host_plan`, record `host_load`) where the host makes the prefix longer or holds the

@@ -38,6 +38,7 @@ from sglang_ext.tail_replay.kv_past_state import KvPastTheState
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 from sglang_ext.tail_replay.provenance import PathProvenance
 from sglang_ext.tail_replay.request import TailReplayRequest, attach, record_of
+from sglang_ext.tail_replay.sessions import StreamingTurns
 from sglang_ext.tail_replay.tiers import HostTierCache
 from sglang_ext.tail_replay.tree_provenance import MatchedPath, Planned, answer_from, plan_carry, provenance_of
 
@@ -61,7 +62,7 @@ def record_for(base: TailReplayConfig, req: Any) -> TailReplayRequest:
     return record if record is not None else attach(req, request_config(base, req))
 
 
-class TailReplayRadixCache(HostTierCache, SharedRepairRules, KvPastTheState, UnifiedRadixCache):
+class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvPastTheState, UnifiedRadixCache):
     tail_replay_config: TailReplayConfig = TailReplayConfig()
     #: the record of the request whose `checkpoint_into_tree` is running (None: no record, or no
     #: request: `_caching` tells them apart)
@@ -70,6 +71,8 @@ class TailReplayRadixCache(HostTierCache, SharedRepairRules, KvPastTheState, Uni
     _inserting_prompt: int | None = None
     #: whether a request's `checkpoint_into_tree` is running (its record may be None: untracked)
     _caching: bool = False
+    #: a streaming session's turn being inserted: what its session computed before it (`sessions`)
+    _inserting_history: torch.Tensor | None = None
     #: the matched path of the running match, walked once (`matched_path`); None outside a match
     _match_path: MatchedPath | None = None
 
@@ -87,12 +90,12 @@ class TailReplayRadixCache(HostTierCache, SharedRepairRules, KvPastTheState, Uni
         """The bound of each position in [start, end) that the running insert brings into the tree:
         decided by `insert_provenance.insert_bounds`, the one place (fail closed). Reads only."""
         return insert_provenance.insert_bounds(self._inserting, start, end, caching=self._caching,
-                                               transferred=self._transferred())
+                                               transferred=self._transferred(), history=self._inserting_history)
 
     def insert_state_bound(self, depth: int) -> float:
         """The bound of the state the running insert stores at `depth` (`insert_provenance`)."""
         return insert_provenance.state_bound(self._inserting, depth, caching=self._caching,
-                                             transferred=self._transferred())
+                                             transferred=self._transferred(), history=self._inserting_history)
 
     @staticmethod
     def _transferred() -> bool:
@@ -220,6 +223,7 @@ class TailReplayRadixCache(HostTierCache, SharedRepairRules, KvPastTheState, Uni
     # insert reads the request's record for the provenance of what it inserts
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         self._inserting, self._inserting_prompt, self._caching = record_of(req), len(req.origin_input_ids), True
+        self._inserting_history = self.session_history(req)
         try:
             with own_tail.claiming(self, req):
                 super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
@@ -227,11 +231,13 @@ class TailReplayRadixCache(HostTierCache, SharedRepairRules, KvPastTheState, Uni
                 self._insert_kv_past_the_state(req, up_to)
         finally:
             self._inserting, self._inserting_prompt, self._caching = None, None, False
+            self._inserting_history, self._released_history = None, None
 
     def insert(self, params):
         return own_tail.insert(self, params, super().insert)
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
+        self._released_history = None   # an aborted session turn released without an insert
         own_tail.release(self, req)
         super().on_release(req, checkpointed=checkpointed)
 

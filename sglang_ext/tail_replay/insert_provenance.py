@@ -8,8 +8,9 @@ plan it was served by (`tracks`). Anything else is UNTRACKED (`provenance.UNTRAC
 bound: never exact under any threshold, never resumed from, never written to storage, never
 replacing a label on overlap):
 
-- no record: a request the planner never matched (a streaming session's later turn, answered from
-  its session slot; a request whose KV was computed elsewhere and transferred);
+- no record: a request the planner never matched (a request whose KV was computed elsewhere and
+  transferred; a streaming session's later turn whose session's provenance is not known:
+  `sessions.py` plans the others);
 - a dropped plan: another wing served the request some other way after the match (LinearKV's
   assembled chunks, `TailReplayRequest.drop_plan`);
 - transferred KV: the decode side of PD disaggregation inserts KV a prefill server computed;
@@ -36,26 +37,36 @@ def tracks(record: TailReplayRequest | None) -> bool:
 
 
 def insert_bounds(record: TailReplayRequest | None, start: int, end: int, *, caching: bool,
-                  transferred: bool = False) -> torch.Tensor:
+                  transferred: bool = False, history: torch.Tensor | None = None) -> torch.Tensor:
     """The bound of each position in [start, end) an insert brings into the tree (float32, CPU).
 
     caching: the insert is a request's caching (`checkpoint_into_tree`; `record` is that request's
     record, or None); False: an insert without a request (exact, see the module docstring).
-    transferred: the request's KV past its own match was computed elsewhere (PD decode)."""
+    transferred: the request's KV past its own match was computed elsewhere (PD decode).
+    history: a streaming session's turn: the bounds of the positions its session's earlier turns
+    computed (`sessions.SessionProvenance`); they hold below the turn's own prefix."""
     import torch
 
     if not caching:
         return torch.zeros(max(end - start, 0), dtype=torch.float32)
     if transferred or not tracks(record):
         return torch.full((max(end - start, 0),), UNTRACKED, dtype=torch.float32)
-    return bounds_of(record, start, end)
+    assert record is not None and record.plan is not None
+    bounds = bounds_of(record, start, end)
+    if history is not None:
+        upto = min(len(history), record.plan.prefix_len, end)
+        if upto > start:
+            bounds[:upto - start] = history[start:upto]
+    return bounds
 
 
-def state_bound(record: TailReplayRequest | None, depth: int, *, caching: bool, transferred: bool = False) -> float:
+def state_bound(record: TailReplayRequest | None, depth: int, *, caching: bool, transferred: bool = False,
+                history: torch.Tensor | None = None) -> float:
     """The bound of a state an insert stores at `depth` (the bound of its last position; 0 at
     the root). A state its request withheld is UNTRACKED."""
     if depth <= 0:
         return 0.0
     if caching and record is not None and record.state_withheld:
         return UNTRACKED
-    return float(insert_bounds(record, depth - 1, depth, caching=caching, transferred=transferred)[0])
+    return float(insert_bounds(record, depth - 1, depth, caching=caching, transferred=transferred,
+                               history=history)[0])

@@ -48,7 +48,8 @@ def servers(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tail_replay_logs")
     pure_args = [*_server_args(PURE_CONFIG), "--max-mamba-cache-size", str(PURE_SLOTS),
                  "--max-running-requests", str(PURE_SLOTS)]
-    procs = {"qwen3-next": ServerProcess(str(tiny_model_factory("qwen3-next")), _server_args(SERVER_CONFIG),
+    procs = {"qwen3-next": ServerProcess(str(tiny_model_factory("qwen3-next")),
+                                         [*_server_args(SERVER_CONFIG), "--enable-streaming-session"],
                                          log_path=logs / "qwen3-next.log"),
              "nemotron-h": ServerProcess(str(tiny_model_factory("nemotron-h")), pure_args,
                                          log_path=logs / "nemotron-h.log"),
@@ -620,3 +621,61 @@ def test_audit_rate_samples_approximate_answers_only(servers):
     exact = ask(server, random_prompt(L, seed=106), new_tokens=1)   # a miss: exact, never sampled
     assert _summary(exact)["exact"] is True and "audit" not in _summary(exact)
     _pools_clean(server)
+
+
+# ---------------------------------------------------------------- streaming sessions (issue 43, item 2)
+
+
+def _open_session(server) -> dict:
+    opened = requests.post(f"{server.url}/open_session", timeout=60,
+                           json={"capacity_of_str_len": 8192, "streaming": True})
+    assert opened.status_code == 200, opened.text
+    return {"id": opened.json()}
+
+
+def _turn(server, ids, session, overrides=None):
+    custom = {"tail_replay": overrides} if overrides else None
+    return requests.post(f"{server.url}/generate", timeout=300, json={
+        "input_ids": ids, "session_params": session,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "custom_params": custom}})
+
+
+def test_a_streaming_session_turn_is_planned_and_honours_its_exactness(servers):
+    """SGLang answers a streaming session's later turns from the session's slot, before the tree
+    match: each such turn is planned from the provenance its session carried forward (meta_info
+    says what it read), and `exactness: "exact"` on a session whose earlier turn was approximate
+    is refused with a 400 that says why (the session goes on); an exact session honours it."""
+    from sglang_ext.tail_replay import TailReplayConfig
+
+    server = servers["qwen3-next"]
+    document = random_prompt(L, seed=140)
+    ask(server, document + random_prompt(5, seed=141), {"keep_checkpoints": False}, new_tokens=1)
+    session = _open_session(server)
+    try:
+        first = _turn(server, document + random_prompt(SUFFIX, seed=142), session, {"exactness": "approximate"})
+        assert first.status_code == 200, first.text
+        assert _details(first.json())["kind"] == "approximate" and _details(first.json())["exact"] is False
+        refused = _turn(server, random_prompt(8, seed=143), session, {"exactness": "exact"})
+        assert refused.status_code == 400, refused.text
+        assert "'exactness': 'exact' cannot be honoured in streaming session" in refused.text
+        follow = _turn(server, random_prompt(8, seed=144), session)
+        assert follow.status_code == 200, follow.text
+        summary = _details(follow.json())
+        context = follow.json()["meta_info"]["prompt_tokens"]
+        assert summary["kind"] in ("approximate_checkpoint", "exact_checkpoint"), summary
+        assert summary["reused_tokens"] == summary["matched_tokens"] == follow.json()["meta_info"]["cached_tokens"]
+        assert context - 9 <= summary["reused_tokens"] <= context - 8 and summary["bound"] > 0.0   # the session
+        assert summary["exact"] is (summary["bound"] <= TailReplayConfig().exact_threshold)
+    finally:
+        requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session["id"]})
+    session = _open_session(server)
+    try:
+        assert _turn(server, random_prompt(40, seed=145), session).status_code == 200
+        turn = _turn(server, random_prompt(8, seed=146), session, {"exactness": "exact"})
+        assert turn.status_code == 200, turn.text
+        summary = _details(turn.json())
+        assert summary["kind"] == "exact_checkpoint" and summary["exact"] is True and summary["bound"] == 0.0, summary
+        assert summary["reused_tokens"] == turn.json()["meta_info"]["cached_tokens"] >= 40
+    finally:
+        requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session["id"]})
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200

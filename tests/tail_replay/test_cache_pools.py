@@ -40,7 +40,12 @@ from sglang_ext.tail_replay.cache import (  # noqa: E402
     answer_from,
     provenance_of,
 )
-from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
+from sglang_ext.tail_replay.config import (  # noqa: E402
+    BACKGROUND_PARAM_KEY,
+    REQUEST_PARAM_KEY,
+    TailReplayConfig,
+    background_mark,
+)
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
 from sglang_ext.tail_replay.provenance import UNKNOWN  # noqa: E402
 from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
@@ -101,9 +106,12 @@ class Harness:
         return req
 
     def request(self, tokens, overrides: dict | None = None) -> Req:
-        """A new request (not matched yet)."""
+        """A new request (not matched yet); `overrides` with `repair_of` / `audit_of` are the
+        server's mark on its own background run (`background_mark`), not a request's fields."""
         self._rid += 1
-        custom = {REQUEST_PARAM_KEY: overrides} if overrides is not None else None
+        background = overrides is not None and any(key in overrides for key in ("repair_of", "audit_of"))
+        custom = ({BACKGROUND_PARAM_KEY: background_mark(overrides)} if background
+                  else {REQUEST_PARAM_KEY: overrides} if overrides is not None else None)
         return Req(rid=f"r{self._rid}", origin_input_text="", origin_input_ids=array("q", tokens),
                    sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom))
 

@@ -216,3 +216,57 @@ def test_untracked_kv_cuts_the_exact_mode_and_is_never_an_approximate_checkpoint
     state = prov.deepest_approximate_state(CFG.exact_threshold)
     plan = plan_replay(40, None, 1, CFG, (state.depth, state.bound))
     assert plan.kind is not HitKind.APPROXIMATE_CHECKPOINT
+
+
+# ---------------------------------------------------------------- streaming sessions (issue 43, item 2)
+
+
+def _session(kv, reads_inexact=False):
+    from sglang_ext.tail_replay.sessions import SessionProvenance
+
+    return SessionProvenance(torch.tensor(kv, dtype=torch.float32), reads_inexact)
+
+
+EXACT_FIRST = dataclasses.replace(CFG, exactness="exact_first")
+STRICT = dataclasses.replace(CFG, exactness="exact")
+
+
+def test_a_session_turn_continues_its_slot_with_the_slots_bound():
+    from sglang_ext.tail_replay.sessions import session_plan
+
+    exact = _session([0.0] * 6)
+    plan, carry, floor = session_plan(exact, 6, STRICT)
+    assert plan == ReplayPlan(HitKind.EXACT_CHECKPOINT, 6, 6, 6) and carry is None and floor == 0.0
+    approx = _session([0.0, 0.0, 0.5, 0.25, 0.1, 0.05])       # turn 1 replayed from position 2
+    plan, carry, floor = session_plan(approx, 6, EXACT_FIRST)
+    assert plan.kind is HitKind.APPROXIMATE_CHECKPOINT and plan.prefix_len == 6 and floor == TAINT
+    assert carry.start == 6 and math.exp(carry.base_log) == pytest.approx(0.05)
+    # the turn's own positions carry the slot's bound on (no gates seen: the start bound)
+    assert carried_bounds(carry, 6, 8, floor).tolist() == pytest.approx([0.05, 0.05])
+    tainted = _session([TAINT] * 6)                             # an exact state that read approximate KV
+    plan, carry, floor = session_plan(tainted, 6, EXACT_FIRST)
+    assert plan.kind is HitKind.EXACT_CHECKPOINT and floor == TAINT and carry is not None
+
+
+def test_exactness_exact_is_refused_by_a_session_that_cannot_honour_it():
+    from sglang_ext.tail_replay.sessions import refusal
+
+    assert refusal(_session([0.0] * 6), 6, STRICT, "s") is None
+    assert refusal(_session([0.0, 0.1, 0.0]), 3, EXACT_FIRST, "s") is None     # only the exact mode asks more
+    for prov in (_session([0.0, 0.1, 0.0]), _session([0.0] * 3, reads_inexact=True), None):
+        why = refusal(prov, 3, STRICT, "s1")
+        assert "'exactness': 'exact' cannot be honoured in streaming session 's1'" in why
+        assert "custom_params['tail_replay']" in why
+
+
+def test_an_aborted_session_turn_inserts_its_sessions_bounds_below_its_own():
+    from sglang_ext.tail_replay.insert_provenance import insert_bounds
+    from sglang_ext.tail_replay.request import TailReplayRequest
+
+    record = TailReplayRequest(CFG)                   # turn 2: continues at 4 from a slot of bound 0.5
+    record.set_plan(ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 4, 4, 4), CarryBound(4, math.log(0.5)), TAINT)
+    history = torch.tensor([0.0, 1.0, 0.75, 0.5])     # turn 1 replayed from 1
+    bounds = insert_bounds(record, 2, 6, caching=True, history=history)
+    assert bounds.tolist() == pytest.approx([0.75, 0.5, 0.5, 0.5])
+    # without its session's history (the fail-open default before): the floor below its prefix
+    assert insert_bounds(record, 2, 4, caching=True).tolist() == pytest.approx([TAINT, TAINT])
