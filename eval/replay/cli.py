@@ -22,6 +22,7 @@ from pathlib import Path
 
 from eval.machine import BusyMachineError
 from eval.replay.inputs import TRACE_NAMES, ReplayError
+from eval.replay.real_models import GPUS, MODELS
 from eval.replay.runner import run
 from eval.replay.servers import ServerSpecError
 from eval.trace_sim.loaders import DEFAULT_TRACE_ROOT, KvLoadOptions
@@ -53,8 +54,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens-per-block", type=int, default=None,
                    help="synthetic tokens per trace block (default: 16 for Mooncake, 1 for kv-cache-tester)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
-    p.add_argument("--max-total-tokens", type=int, default=262144, help="KV pool of every server (tokens)")
-    p.add_argument("--max-mamba-cache-size", type=int, default=32, help="recurrent-state slots of every server")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool of every server (tokens; default 262144; not with --equal-bytes-gib)")
+    p.add_argument("--max-mamba-cache-size", type=int, default=None,
+                   help="recurrent-state slots of every server (default 32; not with --equal-bytes-gib)")
+    p.add_argument("--equal-bytes-gib", type=float, default=None,
+                   help="give every server the same memory, this many GiB of --bytes-model's KV and state, "
+                        "split its own way: stock by SGLang's sizing, tail_replay by its running batch's slots "
+                        "plus --tail-replay-checkpoint-slots (eval/replay/budget.py); the report says each split")
+    p.add_argument("--bytes-model", default="qwen3-next-80b-a3b",
+                   help=f"the real model whose bytes price the budget ({', '.join(MODELS)})")
+    p.add_argument("--tail-replay-checkpoint-slots", type=int, nargs="+", default=[8],
+                   help="--equal-bytes-gib: state slots each tail_replay server keeps for checkpoints beyond its "
+                        "running batch's; several values sweep the split (one server per value, LABEL@Nckpt)")
+    p.add_argument("--gpu", default="h100-sxm", help=f"modeled GPU TTFT: the GPU ({', '.join(GPUS)})")
+    p.add_argument("--gpu-model", default="qwen3-next-80b-a3b",
+                   help="modeled GPU TTFT: the model (docs/gpu_ttft_model.md)")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (1: one at a time)")
     p.add_argument("--new-tokens", type=int, default=1, help="greedy output tokens per request")
     p.add_argument("--typed", action="store_true",

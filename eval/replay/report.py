@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from eval.replay.budget import GIB, split_table
+from eval.replay.gpu_model import modeled_lines
 from eval.replay.profile import profile_lines
 from eval.replay.router import prediction_line
 
@@ -222,8 +224,10 @@ def replay_title(info: dict, args) -> str:
     """One line: the trace, its scaling and the servers' pools (the plot's and report.md's title)."""
     workers = getattr(args, "workers", 1)
     cluster = f", {workers} workers behind the router ({args.router_policy})" if workers > 1 else ""
-    return (f"{info['name']}: {info['requests']} requests, {info['tokens_per_block']} tokens/block, "
-            f"KV pool {args.max_total_tokens:,}, {args.max_mamba_cache_size} state slots, "
+    gib = getattr(args, "equal_bytes_gib", None)
+    pools = (f"equal bytes {gib:g} GiB of {args.bytes_model}" if gib is not None else
+             f"KV pool {args.max_total_tokens:,}, {args.max_mamba_cache_size} state slots")
+    return (f"{info['name']}: {info['requests']} requests, {info['tokens_per_block']} tokens/block, {pools}, "
             f"concurrency {args.concurrency}, {args.new_tokens} new token(s){cluster}")
 
 
@@ -242,6 +246,12 @@ def report_markdown(report: dict) -> str:
              f"of {load['cpu_count']} CPUs, OMP_NUM_THREADS={load['omp_num_threads']}, client torch threads "
              f"{load['torch_threads']}.", "",
              markdown_table(report["servers"]), ""]
+    splits = [r["memory_split"] for r in report["servers"] if r.get("memory_split")]
+    if splits:
+        lines += [f"Memory split of each server (equal bytes: {splits[0]['budget_bytes'] / GIB:g} GiB of "
+                  f"{splits[0]['model']}'s KV and state; the fixture gets the same slot and token counts):", "",
+                  split_table(splits), ""]
+    lines += modeled_lines(report)
     options = report["options"]
     if options.get("baseline") or options.get("reference"):
         lines += [comparison_table(report["servers"], options.get("baseline"), options.get("reference")), ""]

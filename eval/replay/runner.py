@@ -17,8 +17,10 @@ import requests
 
 from eval.machine import CpuWindow, require_quiet, sample_load
 from eval.replay.bound import ideal_curve, lru_curve
+from eval.replay.budget import GIB, Split, equal_bytes_specs
 from eval.replay.client import replay_requests, warm_and_flush
 from eval.replay.cluster import ClusterProcess, server_pids, server_worker_urls
+from eval.replay.gpu_model import add_modeled_ttft
 from eval.replay.inputs import ReplayError, load_trace, resolve_model
 from eval.replay.metrics import background_runs, prompt_tokens_served, router_counters
 from eval.replay.profile import (
@@ -30,6 +32,7 @@ from eval.replay.profile import (
     scheduler_pid,
     summarize_profile,
 )
+from eval.replay.real_models import gpu, real_model
 from eval.replay.report import compare_to_baseline, plot, replay_title, report_markdown, same_outputs, summarize
 from eval.replay.router import prediction_summary
 from eval.replay.servers import ServerSpec, parse_server_specs
@@ -49,7 +52,8 @@ def _slug(label: str, i: int) -> str:
     return f"{i}-{re.sub(r'[^A-Za-z0-9_.+-]+', '_', label).strip('_')[:60]}"
 
 
-def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, refs, args, trace_info) -> tuple[dict, list[dict]]:
+def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, refs, args, trace_info,
+               split: Split | None = None) -> tuple[dict, list[dict]]:
     """Warm, flush, sample the load, replay; the server's summary row and its request records
     (with the timings removed when they are withheld). `server`: a ServerProcess, or a
     ClusterProcess whose router takes the requests (every worker is warmed and flushed)."""
@@ -90,11 +94,13 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     timing = {"wall_s": wall, "machine_load": load.as_dict(), "other_cpu_percent_during": other_during,
               "busy": busy, "timings_withheld": withheld, "server_threads": threads,
               "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
-              "launch_args": spec.launch_args(_common_args(args)),
+              "launch_args": spec.launch_args(_common_args(args, split)),
               "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
               "worker_prompt_tokens": worker_tokens, "background_runs": background,
               "router_prediction": prediction, "process_cpu_ms_per_request": process_cpu}
     row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
+    if split is not None:
+        row["memory_split"] = split.as_dict()
     if sampler is not None:
         row["profile"] = summarize_profile(sampler.raw, len(records), sampler.rate)
     slug = _slug(spec.label, i)
@@ -104,9 +110,41 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     return row, records
 
 
-def _common_args(args) -> list[str]:
+def _common_args(args, split: Split | None = None) -> list[str]:
+    """Every server's arguments: --server-args, then the pools (the server's split under
+    --equal-bytes-gib, else --max-total-tokens / --max-mamba-cache-size)."""
+    if split is not None:
+        return shlex.split(args.server_args) + split.flags()
     return shlex.split(args.server_args) + ["--max-total-tokens", str(args.max_total_tokens),
                                             "--max-mamba-cache-size", str(args.max_mamba_cache_size)]
+
+
+def _plan(args) -> tuple[list[ServerSpec], list[Split | None], int]:
+    """The servers to replay, each with its split of the equal-bytes budget (None without one),
+    and the LRU bound's capacity in tokens (the whole budget as KV under --equal-bytes-gib)."""
+    specs = parse_server_specs(args.servers)
+    try:   # checked before any server starts: add_modeled_ttft prices the replay with them at the end
+        real_model(args.gpu_model), gpu(args.gpu)
+    except ValueError as err:
+        raise ReplayError(f"--gpu / --gpu-model: {err}") from None
+    if getattr(args, "equal_bytes_gib", None) is None:
+        for flag, default in (("max_total_tokens", 262144), ("max_mamba_cache_size", 32)):
+            if getattr(args, flag, None) is None:
+                setattr(args, flag, default)
+        return specs, [None] * len(specs), args.max_total_tokens
+    if args.max_total_tokens is not None or args.max_mamba_cache_size is not None:
+        raise ReplayError("--equal-bytes-gib sets every server's pools: leave out --max-total-tokens and "
+                          "--max-mamba-cache-size")
+    if args.equal_bytes_gib <= 0:
+        raise ReplayError(f"--equal-bytes-gib must be > 0, got {args.equal_bytes_gib}")
+    try:
+        model = real_model(args.bytes_model)
+        budget = int(args.equal_bytes_gib * GIB)
+        planned = equal_bytes_specs(specs, shlex.split(args.server_args), model, budget, args.concurrency,
+                                    list(args.tail_replay_checkpoint_slots))
+    except ValueError as err:   # BudgetError, an unknown model
+        raise ReplayError(f"--equal-bytes-gib: {err}") from None
+    return [s for s, _ in planned], [sp for _, sp in planned], budget // model.kv_bytes_per_token
 
 
 def run(args) -> dict:
@@ -115,11 +153,11 @@ def run(args) -> dict:
 
     for flag in ("requests", "concurrency", "new_tokens", "max_total_tokens", "max_mamba_cache_size", "sessions",
                  "workers"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ReplayError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.skip_sessions < 0:
         raise ReplayError(f"--skip-sessions must be >= 0, got {args.skip_sessions}")
-    specs = parse_server_specs(args.servers)
+    specs, splits, lru_capacity = _plan(args)
     if getattr(args, "profile", False):
         if args.workers > 1:
             raise ReplayError("--profile samples one server's scheduler; it does not combine with --workers > 1")
@@ -132,7 +170,7 @@ def run(args) -> dict:
     require_quiet(start_load, args.allow_busy, args.max_other_cpu)
     trace_info, scaled = load_trace(args)
     sequences = [r.tokens for r in scaled]
-    refs = {"ideal": ideal_curve(sequences), "lru": lru_curve(sequences, args.max_total_tokens)}
+    refs = {"ideal": ideal_curve(sequences), "lru": lru_curve(sequences, lru_capacity)}
     model = resolve_model(args)
     if args.workers > 1:
         from sglang_ext.cluster import ROUTER_POLICIES, router_available
@@ -141,11 +179,11 @@ def run(args) -> dict:
             raise ReplayError(f"--router-policy {args.router_policy!r}: use one of {ROUTER_POLICIES}")
         if not router_available():
             raise ReplayError("--workers > 1 needs SGLang's router: pip install 'sglang-hybrid-cache[scale]'")
-        procs: list = [ClusterProcess(str(model), spec.launch_args(_common_args(args)), args.workers,
+        procs: list = [ClusterProcess(str(model), spec.launch_args(_common_args(args, splits[i])), args.workers,
                                       args.router_policy, args.out / f"cluster-{_slug(spec.label, i)}")
                        for i, spec in enumerate(specs)]
     else:
-        procs = [ServerProcess(str(model), spec.launch_args(_common_args(args)),
+        procs = [ServerProcess(str(model), spec.launch_args(_common_args(args, splits[i])),
                                log_path=args.out / f"server-{_slug(spec.label, i)}.log")
                  for i, spec in enumerate(specs)]
     rows, per_server = [], {}
@@ -154,7 +192,7 @@ def run(args) -> dict:
         with servers_running([procs[i] for i in group]):
             pids = [pid for i in group for pid in server_pids(procs[i])]
             for i in group:
-                row, records = run_server(specs[i], i, procs[i], pids, scaled, refs, args, trace_info)
+                row, records = run_server(specs[i], i, procs[i], pids, scaled, refs, args, trace_info, splits[i])
                 rows.append(row)
                 per_server[specs[i].label] = records
     for label in (args.baseline, args.reference):
@@ -165,6 +203,8 @@ def run(args) -> dict:
             row["vs_baseline"] = compare_to_baseline(per_server[row["server"]], per_server[args.baseline])
         if args.reference is not None:
             row["same_output"] = same_outputs(per_server[row["server"]], per_server[args.reference])
+    cpu_baseline = args.baseline or next((s.label for s in specs if s.kind == "stock"), None)
+    gpu_model = add_modeled_ttft(rows, per_server, cpu_baseline, args.gpu_model, args.gpu)
     argv = getattr(args, "argv", None)
     command = "python -m eval.replay " + shlex.join(argv) if argv is not None else shlex.join(sys.argv)
     report = {"command": command, "trace": trace_info,
@@ -172,8 +212,8 @@ def run(args) -> dict:
                           if k != "argv"},
               "model": str(model), "start_load": start_load.as_dict(),
               "references": {"ideal_tokens": refs["ideal"].total, "lru_bound_tokens": refs["lru"].total,
-                             "lru_capacity_tokens": args.max_total_tokens},
-              "servers": rows}
+                             "lru_capacity_tokens": lru_capacity},
+              "gpu_model": gpu_model, "servers": rows}
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     (args.out / "report.md").write_text(report_markdown(report))
     ttfts = {r["server"]: [x["ttft_s"] for x in per_server[r["server"]] if x["ok"]]
