@@ -165,11 +165,16 @@ def equal_bytes_specs(specs: list[ServerSpec], common: list[str], model: RealMod
     return out
 
 
-def split_table(splits: list[dict]) -> str:
-    """report.md's table of the servers' splits (`Split.as_dict` rows)."""
-    lines = ["| server | state slots (+1 padding) | KV tokens | state GiB | KV GiB | running requests | rule |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    for s in splits:
+def split_table(rows: list[dict]) -> str:
+    """report.md's table of the servers' splits: report rows with a `memory_split`
+    (`Split.as_dict`) and, where read, the pools the server says it holds (`server_pools`)."""
+    lines = ["| server | state slots (+1 padding) | KV tokens | state GiB | KV GiB | running requests | rule "
+             "| server holds: KV tokens / slots / running |",
+             "|---|---:|---:|---:|---:|---:|---|---|"]
+    for row in rows:
+        s = row["memory_split"]
+        held = "; ".join(f"{p['kv_tokens']} / {p['state_slots']} / {p['max_running_requests']}"
+                         for p in row.get("server_pools") or []) or "-"
         lines.append(f"| {s['server']} | {s['state_slots']} | {s['kv_tokens']:,} | {s['state_bytes'] / GIB:.3f} | "
-                     f"{s['kv_bytes'] / GIB:.3f} | {s['running_requests']} | {s['rule']} |")
+                     f"{s['kv_bytes'] / GIB:.3f} | {s['running_requests']} | {s['rule']} | {held} |")
     return "\n".join(lines)

@@ -37,3 +37,21 @@ def prompt_tokens_served(url: str) -> int:
     resp = requests.get(f"{url}/metrics", timeout=60)
     resp.raise_for_status()
     return int(sum(float(v) for v in _PROMPT_TOKENS.findall(resp.text)))
+
+
+def server_pools(url: str) -> dict[str, int | None]:
+    """The pools a server (one worker) actually holds, from its `/server_info`: KV tokens
+    (`memory_usage.token_capacity`: SGLang caps --max-total-tokens at what memory allows), state
+    slots (`max_mamba_cache_size`, resolved) and running requests admitted at most; None where
+    the server does not say."""
+    resp = requests.get(f"{url}/server_info", timeout=60)
+    resp.raise_for_status()
+    states = resp.json().get("internal_states") or [{}]
+    state = states[0] if isinstance(states, list) and states else {}
+
+    def as_int(value: object) -> int | None:
+        return int(value) if isinstance(value, (int, float)) else None
+
+    return {"kv_tokens": as_int((state.get("memory_usage") or {}).get("token_capacity")),
+            "state_slots": as_int(state.get("max_mamba_cache_size")),
+            "max_running_requests": as_int(state.get("effective_max_running_requests_per_dp"))}

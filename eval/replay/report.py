@@ -246,11 +246,12 @@ def report_markdown(report: dict) -> str:
              f"of {load['cpu_count']} CPUs, OMP_NUM_THREADS={load['omp_num_threads']}, client torch threads "
              f"{load['torch_threads']}.", "",
              markdown_table(report["servers"]), ""]
-    splits = [r["memory_split"] for r in report["servers"] if r.get("memory_split")]
-    if splits:
-        lines += [f"Memory split of each server (equal bytes: {splits[0]['budget_bytes'] / GIB:g} GiB of "
-                  f"{splits[0]['model']}'s KV and state; the fixture gets the same slot and token counts):", "",
-                  split_table(splits), ""]
+    split_rows = [r for r in report["servers"] if r.get("memory_split")]
+    if split_rows:
+        first = split_rows[0]["memory_split"]
+        lines += [f"Memory split of each server (equal bytes: {first['budget_bytes'] / GIB:g} GiB of "
+                  f"{first['model']}'s KV and state; the fixture gets the same slot and token counts):", "",
+                  split_table(split_rows), ""]
     lines += modeled_lines(report)
     options = report["options"]
     if options.get("baseline") or options.get("reference"):

@@ -22,7 +22,7 @@ from eval.replay.client import replay_requests, warm_and_flush
 from eval.replay.cluster import ClusterProcess, server_pids, server_worker_urls
 from eval.replay.gpu_model import add_modeled_ttft
 from eval.replay.inputs import ReplayError, load_trace, resolve_model
-from eval.replay.metrics import background_runs, prompt_tokens_served, router_counters
+from eval.replay.metrics import background_runs, prompt_tokens_served, router_counters, server_pools
 from eval.replay.profile import (
     ProfileError,
     Sampler,
@@ -58,8 +58,14 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     (with the timings removed when they are withheld). `server`: a ServerProcess, or a
     ClusterProcess whose router takes the requests (every worker is warmed and flushed)."""
     url = server.url
+    pools = []
     for worker_url in server_worker_urls(server):
         warm_and_flush(worker_url, trace_info["tokens_per_block"], args.seed)
+        pools.append(server_pools(worker_url))
+        if split is not None and pools[-1]["kv_tokens"] is not None and pools[-1]["kv_tokens"] < split.kv_tokens:
+            raise ReplayError(f"{spec.label}: the server holds {pools[-1]['kv_tokens']:,} KV tokens, fewer than its "
+                              f"split's {split.kv_tokens:,} (memory on this machine); lower --equal-bytes-gib or "
+                              "raise --mem-fraction-static in --server-args")
     load = sample_load(exclude_pids=all_pids, seconds=args.load_sample_s)
     threads = sum(_server_threads(pid) for pid in server_pids(server))
     router_metrics = server.router_metrics_url if isinstance(server, ClusterProcess) else None
@@ -97,7 +103,7 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
               "launch_args": spec.launch_args(_common_args(args, split)),
               "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
               "worker_prompt_tokens": worker_tokens, "background_runs": background,
-              "router_prediction": prediction, "process_cpu_ms_per_request": process_cpu}
+              "router_prediction": prediction, "process_cpu_ms_per_request": process_cpu, "server_pools": pools}
     row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
     if split is not None:
         row["memory_split"] = split.as_dict()

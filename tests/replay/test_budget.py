@@ -88,8 +88,10 @@ def test_equal_bytes_plan_gives_each_server_its_flags_and_sweeps_tail_replay():
     assert launch.count("--max-total-tokens") == 1 and "--radix-cache-backend" in launch
     assert "equal bytes 4 GiB of qwen3-next-80b-a3b" in replay_title(
         {"name": "t", "requests": 1, "tokens_per_block": 1}, args)
-    table = split_table([s.as_dict() for s in splits])
-    assert "| tr@8ckpt | 18 | 115,026 | 1.367 | 2.633 | 2 |" in table
+    table = split_table([{"memory_split": s.as_dict(), "server_pools": [{"kv_tokens": 115026, "state_slots": 18,
+                                                                        "max_running_requests": 4}]}
+                         for s in splits])
+    assert "| tr@8ckpt | 18 | 115,026 | 1.367 | 2.633 | 2 |" in table and "| 115026 / 18 / 4 |" in table
 
 
 def test_without_a_budget_every_server_gets_the_same_pools():

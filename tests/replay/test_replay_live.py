@@ -94,3 +94,14 @@ def test_live_replay_stock_vs_tail_replay(tmp_path, tiny_model_factory):
     assert "Scheduler time per request" in (out / "report.md").read_text()
     assert "CPU per request of each server's processes" in (out / "report.md").read_text()
     assert "tail_replay against stock" in (out / "report.md").read_text()
+
+    # the pools each server says it holds (/server_info) are the flags it was given
+    assert all(row["server_pools"] == [{"kv_tokens": 16384, "state_slots": 8, "max_running_requests":
+                                        row["server_pools"][0]["max_running_requests"]}] for row in rows.values())
+    # modeled GPU TTFT beside the measured one (eval/replay/gpu_model.py; CPU beyond the baseline's)
+    assert report["gpu_model"]["gpu"] == "h100-sxm" and 0.3 < report["gpu_model"]["efficiency"] < 0.7
+    for row in rows.values():
+        m = row["modeled_gpu_ttft_s"]
+        assert 0 < m["p50"] <= m["p95"] and m["cpu_beyond_baseline_ms"] >= 0
+    assert rows["stock"]["modeled_gpu_ttft_s"]["cpu_beyond_baseline_ms"] == 0
+    assert "Modeled GPU TTFT" in (out / "report.md").read_text()
