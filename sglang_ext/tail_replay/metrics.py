@@ -52,8 +52,12 @@ def _counters() -> dict:
             "Approximate hits: bound on the replayed linear state's relative error, max over layers and "
             "heads of exp(sum of the replayed tail's log-decay)", buckets=STATE_BOUND_BUCKETS),
         "requests": Counter("sglang_ext:tail_replay_requests",
-                            "Requests by outcome: exact (bound <= the exact threshold; 0 in the exact "
-                            "mode) or approximate", ["exact"]),
+                            "Requests by outcome: exact (the state the answer was computed from counts as "
+                            "exact: bound <= the exact threshold; 0 in the exact mode) or approximate", ["exact"]),
+        "kv_exact": Counter("sglang_ext:tail_replay_kv_exact_requests",
+                            "Requests by whether everything they read was exact (kv_exact: no KV or state of "
+                            "bound > 0 anywhere on what the answer was computed from, bound 0; what exactness "
+                            "'exact' guarantees) or not", ["kv_exact"]),
         "stored": Histogram(
             "sglang_ext:tail_replay_stored_bound",
             "Bounds of what enters the tree: per new node its KV's largest bound (kind=kv), per stored "
@@ -142,6 +146,13 @@ def output_provenance(record: TailReplayRequest, prompt_len: int) -> tuple[float
     return record.output_bound, counts_exact(record.output_bound, record.config.threshold)
 
 
+def kv_exact(answer_bound: float) -> bool:
+    """Whether everything an answer read was exact: its bound is 0 (any KV of bound > 0 it read,
+    a state stored by a request that read such KV, a checkpoint's float-noise bound make it TAINT
+    or more). `exact` may still hold under a threshold > 0 (`exactness: "exact_first"`)."""
+    return answer_bound == 0.0
+
+
 def plan_summary(plan: ReplayPlan) -> dict:
     """The plan's part of `meta_info.cached_tokens_details.tail_replay`."""
     return {"kind": plan.kind.value, "matched_tokens": plan.matched_tokens,
@@ -150,8 +161,9 @@ def plan_summary(plan: ReplayPlan) -> dict:
 
 def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> dict:
     """`meta_info.cached_tokens_details.tail_replay` of a request with a plan: `plan_summary`,
-    `exact` and `bound` (provenance of its output: the last prompt position's bound, and whether it
-    counts as exact under the request's exactness; given `prompt_len`), and for an approximate hit
+    `exact`, `kv_exact` and `bound` (provenance of its output, given `prompt_len`: the last prompt
+    position's bound; whether the state it was computed from counts as exact under the request's
+    exactness; whether everything it read was exact, `kv_exact`), and for an approximate hit
     `state_bound` / `state_bound_per_layer` (`state_bound.StateBound`; None where the forward did
     not see the whole tail's gates), and for an audited request `audit` (why: "forced" or
     "sampled"; the tokenizer process then sends its reference run). Call once its tail is replayed
@@ -162,11 +174,13 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
     if prompt_len is not None:
         answer_bound, exact = output_provenance(record, prompt_len)
         summary["exact"] = exact
+        summary["kv_exact"] = read_exact = kv_exact(answer_bound)
         summary["bound"] = answer_bound
         if not record.exactness_recorded:
             record.exactness_recorded = True
             if not record.config.background and _this_rank_records():
                 _counters()["requests"].labels(exact=str(exact).lower()).inc()
+                _counters()["kv_exact"].labels(kv_exact=str(read_exact).lower()).inc()
     if record.audit is not None:
         summary["audit"] = record.audit
     if record.plan.kind is not HitKind.APPROXIMATE:

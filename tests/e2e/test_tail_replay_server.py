@@ -623,6 +623,30 @@ def test_audit_rate_samples_approximate_answers_only(servers):
     _pools_clean(server)
 
 
+
+def test_kv_exact_says_whether_everything_the_answer_read_was_exact(servers):
+    """Issue 43, item 3: `exact` (the state counts as exact) and `kv_exact` (no KV or state of bound
+    > 0 anywhere on what the answer read) in meta_info and /metrics. A full exact replay over an
+    approximate request's KV starts from an exact state (exact under exact_first) but reads that
+    KV (not kv_exact); `exactness: "exact"` reads none of it (both)."""
+    server = servers["qwen3-next"]
+    document, question = random_prompt(L, seed=150), random_prompt(SUFFIX, seed=151)
+    before = _metrics(server)
+    approx = _details(_warm_then_ask(server, document, question, {"exactness": "approximate",
+                                                                  "keep_checkpoints": False}))
+    assert approx["kind"] == "approximate" and approx["exact"] is False and approx["kv_exact"] is False
+    tainted = _details(ask(server, document + question + random_prompt(4, seed=152),
+                           {"budget": 1.0, "keep_checkpoints": False}))
+    assert tainted["kind"] == "exact_replay" and tainted["matched_tokens"] == L + SUFFIX, tainted
+    assert tainted["exact"] is True and tainted["kv_exact"] is False and 0.0 < tainted["bound"] <= 1e-30
+    strict = _details(ask(server, document + question + random_prompt(4, seed=153), {"exactness": "exact"}))
+    assert strict["exact"] is True and strict["kv_exact"] is True and strict["matched_tokens"] <= L, strict
+    after = _metrics(server)
+    name = "sglang_ext:tail_replay_kv_exact_requests_total"
+    delta = {v: metric_total(after, name, f'kv_exact="{v}"') - metric_total(before, name, f'kv_exact="{v}"')
+             for v in ("true", "false")}
+    assert delta == {"true": 2, "false": 2}   # the warm-up and the strict one; the approximate and the replay
+
 # ---------------------------------------------------------------- streaming sessions (issue 43, item 2)
 
 
@@ -666,6 +690,7 @@ def test_a_streaming_session_turn_is_planned_and_honours_its_exactness(servers):
         assert summary["reused_tokens"] == summary["matched_tokens"] == follow.json()["meta_info"]["cached_tokens"]
         assert context - 9 <= summary["reused_tokens"] <= context - 8 and summary["bound"] > 0.0   # the session
         assert summary["exact"] is (summary["bound"] <= TailReplayConfig().exact_threshold)
+        assert summary["kv_exact"] is False   # turn 1's approximate KV and state are read
     finally:
         requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session["id"]})
     session = _open_session(server)
@@ -674,7 +699,8 @@ def test_a_streaming_session_turn_is_planned_and_honours_its_exactness(servers):
         turn = _turn(server, random_prompt(8, seed=146), session, {"exactness": "exact"})
         assert turn.status_code == 200, turn.text
         summary = _details(turn.json())
-        assert summary["kind"] == "exact_checkpoint" and summary["exact"] is True and summary["bound"] == 0.0, summary
+        assert summary["kind"] == "exact_checkpoint" and summary["exact"] is summary["kv_exact"] is True, summary
+        assert summary["bound"] == 0.0
         assert summary["reused_tokens"] == turn.json()["meta_info"]["cached_tokens"] >= 40
     finally:
         requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session["id"]})

@@ -4,6 +4,7 @@ check's per-server limits, and the plugin patching only servers that select tail
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -20,8 +21,11 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from sglang_ext import env  # noqa: E402
 from sglang_ext.patches import tail_replay_request  # noqa: E402
-from sglang_ext.tail_replay.metrics import is_recording_rank, record_plan  # noqa: E402
+from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
+from sglang_ext.tail_replay.metrics import is_recording_rank, record_plan, replay_summary  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
+from sglang_ext.tail_replay.provenance import TAINT, CarryBound  # noqa: E402
+from sglang_ext.tail_replay.request import TailReplayRequest  # noqa: E402
 
 PLAN = ReplayPlan(HitKind.APPROXIMATE, matched_tokens=100, prefix_len=90, replay_start=90)
 
@@ -102,3 +106,31 @@ def test_plugin_patches_only_servers_that_select_tail_replay():
                           env={**environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "plugin-probe-ok" in proc.stdout
+
+
+def _kv_exact_total(value: str) -> float:
+    return REGISTRY.get_sample_value("sglang_ext:tail_replay_kv_exact_requests_total", {"kv_exact": value}) or 0.0
+
+
+@pytest.mark.parametrize("exactness, carry_bound, floor, exact, kv_exact", [
+    ("exact_first", None, 0.0, True, True),      # read only exact KV from an exact state
+    ("exact_first", None, TAINT, True, False),   # an exact state, but it read KV of bound > 0
+    ("exact_first", TAINT, 0.0, True, False),    # resumed from a state a request that read such KV stored
+    ("exact_first", 1e-7, 0.0, True, False),     # a checkpoint's float-noise bound
+    ("exact", None, TAINT, False, False),        # the exact mode: exact and kv_exact are one
+    ("approximate", 0.5, 0.0, False, False),
+])
+def test_kv_exact_is_kept_apart_from_exact(exactness, carry_bound, floor, exact, kv_exact):
+    """Issue 43, item 3: `exact` (the state counts as exact) and `kv_exact` (everything the answer
+    read was exact) in meta_info's summary and in /metrics, once per request."""
+    record = TailReplayRequest(config=TailReplayConfig(exactness=exactness))
+    carry = None if carry_bound is None else CarryBound(100, math.log(carry_bound))
+    record.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 100, 100, 100), carry, floor)
+    before = {v: _kv_exact_total(v) for v in ("true", "false")}
+    with get_parallel().override(attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=0, attn_cp_size=1, tp_size=1,
+                                 moe_tp_size=1, moe_ep_size=1, moe_dp_size=1, pp_rank=0, pp_size=1):
+        summary = replay_summary(record, 101)
+        assert replay_summary(record, 101) == summary   # counted once
+    assert summary["exact"] is exact and summary["kv_exact"] is kv_exact, summary
+    assert _kv_exact_total(str(kv_exact).lower()) - before[str(kv_exact).lower()] == 1
+    assert _kv_exact_total(str(not kv_exact).lower()) == before[str(not kv_exact).lower()]
