@@ -5,7 +5,8 @@ own key.
 Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and writes
 `replay_summary(record)` (the plan; `exact`: the state the answer was computed from counts as
 exact; `kv_exact`: everything it read was exact, what `exactness: "exact"` guarantees; `bound`;
-and for an approximate hit the state bound from its tail's gates); requests without a plan (no Tail-Replay match) keep SGLang's details unchanged. A
+and for an approximate hit the state bound from its tail's gates); requests without a plan (no
+Tail-Replay match) keep SGLang's details unchanged. A
 finished answer that was not exact, on a server or request with `repair: true`, also carries its
 sequence under `REPAIR_KEY` (`sglang_ext.tail_replay.repair`) for the tokenizer process, which
 removes it and sends the repair run (`patches/tail_replay_audit.py`); a request that
