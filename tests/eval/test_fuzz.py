@@ -74,6 +74,9 @@ def test_exactness_oracle_checks_claims_and_exact_requests_against_the_reference
     assert [v["op"] for v in found] == [1, 4]
     obs[0]["logprobs"] = [-1.0, -1.02]
     assert [v["op"] for v in exactness_violations(obs[:1], reference, tolerance=1e-4)] == [0]
+    # the reference asked alone agrees with op 1: its batched answer was the odd one out
+    found = exactness_violations(obs[:2], reference, tolerance=1e-4, recheck=lambda ids, new: ([5, 6], [-1.0] * new))
+    assert [(v["op"], v["oracle"]) for v in found] == [(0, "exactness"), (1, "reference unstable")]
     assert exactness_claim({"tail_replay": {"exact": True, "kv_exact": False}}) is False
     assert exactness_claim({}) is None
 
