@@ -151,7 +151,7 @@ def test_decode_tracked_checkpoint_is_exact(servers, references):
     follow_up = first_ids + first["output_ids"] + random_prompt(QUESTION, seed=31)
     second = ask(server, follow_up)                          # KV to 261 (the last output token has none)
     assert details(second) == {"kind": "exact_checkpoint", "matched_tokens": 261,
-                               "reused_tokens": 256, "replayed_tokens": 5, "exact": True, "bound": 0.0}
+                               "reused_tokens": 256, "replayed_tokens": 5, "exact": True, "kv_exact": True, "bound": 0.0}
     assert_matches_reference(second, references("nemotron-h", follow_up))
 
 
@@ -162,7 +162,7 @@ def test_prefill_tracked_checkpoint_is_exact(servers, references):
     question = document + random_prompt(QUESTION, seed=41)
     result = ask(server, question)
     assert details(result) == {"kind": "exact_checkpoint", "matched_tokens": 240,
-                               "reused_tokens": 192, "replayed_tokens": 48, "exact": True, "bound": 0.0}
+                               "reused_tokens": 192, "replayed_tokens": 48, "exact": True, "kv_exact": True, "bound": 0.0}
     assert_matches_reference(result, references("nemotron-h", question))
 
 
@@ -205,7 +205,7 @@ def test_the_first_branch_off_a_shared_prefix_gets_stocks_branch_state_exact(ser
     third_ids = document + questions[2]
     third = ask(server, third_ids)
     assert details(third) == {"kind": "exact_checkpoint", "matched_tokens": DOC, "reused_tokens": 192,
-                              "replayed_tokens": DOC - 192, "exact": True, "bound": 0.0}
+                              "replayed_tokens": DOC - 192, "exact": True, "kv_exact": True, "bound": 0.0}
     assert_matches_reference(third, references("nemotron-h", third_ids))
     assert _shared_repairs(server) == before + 1   # once: the third found the exact state; the next turn asked none
 
@@ -229,7 +229,7 @@ def test_a_turn_whose_state_was_freed_tracks_and_inserts_its_own_prompt_as_stock
     third_ids = second_ids + random_prompt(QUESTION, seed=111)
     third = ask(server, third_ids)
     assert details(third) == {"kind": "exact_checkpoint", "matched_tokens": 256, "reused_tokens": 256,
-                              "replayed_tokens": 0, "exact": True, "bound": 0.0}
+                              "replayed_tokens": 0, "exact": True, "kv_exact": True, "bound": 0.0}
     assert_matches_reference(third, references("nemotron-h", third_ids))
 
 
@@ -246,7 +246,7 @@ def test_a_finished_request_leaves_its_kv_past_its_last_state_in_the_tree(server
     ids = first + random_prompt(QUESTION, seed=121)
     exact = ask(server, ids)
     assert details(exact) == {"kind": "exact_checkpoint", "matched_tokens": 200, "reused_tokens": 192,
-                              "replayed_tokens": 8, "exact": True, "bound": 0.0}
+                              "replayed_tokens": 8, "exact": True, "kv_exact": True, "bound": 0.0}
     assert exact["meta_info"]["cached_tokens"] == 192
     assert_matches_reference(exact, references("nemotron-h", ids))
     approx = ask(server, first + random_prompt(QUESTION, seed=122), {"exactness": "approximate", "budget": 0})
