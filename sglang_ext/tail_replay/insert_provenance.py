@@ -11,7 +11,7 @@ replacing a label on overlap):
 - no record: a request the planner never matched (a request whose KV was computed elsewhere and
   transferred; a streaming session's later turn whose session's provenance is not known:
   `sessions.py` plans the others);
-- a dropped plan: another wing served the request some other way after the match (LinearKV's
+- a dropped plan: another wing served the request some other way after the match (e.g. position-independent
   assembled chunks, `TailReplayRequest.drop_plan`);
 - transferred KV: the decode side of PD disaggregation inserts KV a prefill server computed;
 - a withheld state that reaches the tree anyway (its request said it is not to be kept).

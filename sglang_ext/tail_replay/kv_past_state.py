@@ -32,7 +32,7 @@ class KvPastTheState:
         for the Full + Mamba components (no SWA window to keep), and not with the session radix
         cache (it registers the first insert's end as the session's leaf), and only for a request
         whose record tracks what it computed (`insert_provenance.tracks`): SGLang's insert stopped
-        where the request's components capped it (another wing's request, e.g. LinearKV's
+        where the request's components capped it (another wing's request, e.g. position-independent
         assembled chunks, publishes nothing past its exact prefix), and KV of unknown provenance
         is not worth keeping. Reads only."""
         return (tracks(record_of(req)) and req.finished() and self.enable_mamba_extra_buffer and not self.disable and req.kv.holds_kv
