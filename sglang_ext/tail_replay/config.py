@@ -16,8 +16,8 @@ runs (`audit_of`, `repair_of`, `repair_kind`: an audit's reference run, a repair
 keys at all: the tokenizer process sets them out of band, under `BACKGROUND_PARAM_KEY` in the
 run's `custom_params`, after the request's fields were validated
 (`patches/tail_replay_request.py`); a client sending that key, or one of those fields, gets a 400
-naming it. A request's own `audit` / `repair` are refused unless the server's config sets
-`allow_request_audit_repair` (each buys an extra exact prefill).
+naming it. A request's own `audit` / `repair` (and `repair_shared: true`) are refused unless the
+server's config sets `allow_request_audit_repair` (each buys an extra exact prefill).
 
 `DEFAULTS` is the default config, for benchmarks and evaluations that name the defaults.
 """
@@ -113,8 +113,8 @@ class TailReplayConfig:
     #: at one that does not count as exact and that conversations branch from (the tree branches
     #: below it before any other state: e.g. the end of a shared system prompt that an
     #: approximate replay reached first), that state is recomputed exactly in the background, once, so later
-    #: conversations branching there resume exactly, as on stock SGLang (server default, and per
-    #: request)
+    #: conversations branching there resume exactly, as on stock SGLang (server default; a request
+    #: may turn it off, and on only on a server with `allow_request_audit_repair`)
     repair_shared: bool = True
     #: set by the server on its own repair runs (out of band, `BACKGROUND_PARAM_KEY`): the rid of
     #: the request being repaired (never repaired or audited itself); not a key
@@ -192,6 +192,9 @@ _SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order",
 _REQUEST_ONLY = ("audit",)
 #: keys a request sets only where the server allows it (`allow_request_audit_repair`)
 _ALLOWED_BY_SERVER = ("audit", "repair")
+#: keys a request may turn off (cheaper), but turn on only where the server allows it
+#: (`allow_request_audit_repair`: each repair buys an extra exact prefill)
+_OFF_BY_REQUEST = ("repair_shared",)
 #: the server's marks on its own background runs: set out of band (`BACKGROUND_PARAM_KEY`), never
 #: by a client or a server config
 BACKGROUND_FIELDS = ("audit_of", "repair_of", "repair_kind")
@@ -199,7 +202,7 @@ BACKGROUND_FIELDS = ("audit_of", "repair_of", "repair_kind")
 #: config values the run needs); refused from a client, set in the tokenizer process after the
 #: request's fields were validated (patches/tail_replay_request.py)
 BACKGROUND_PARAM_KEY = "tail_replay_background"
-#: the config knob that allows `_ALLOWED_BY_SERVER`
+#: the config knob that allows `_ALLOWED_BY_SERVER` (and `_OFF_BY_REQUEST` set to true)
 ALLOW_KNOB = "allow_request_audit_repair"
 
 
@@ -260,6 +263,10 @@ def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfi
         _check(key not in overrides or base.allow_request_audit_repair, key,
                f"is refused on this server: per-request audit and repair are off (server config key "
                f"{ALLOW_KNOB!r} is false)")
+    for key in _OFF_BY_REQUEST:
+        _check(overrides.get(key) is not True or base.allow_request_audit_repair, key,
+               f"true is refused on this server: per-request audit and repair are off (server config key "
+               f"{ALLOW_KNOB!r} is false); a request may only set it to false")
     config = replace(base, **overrides)
     _check(config.budget != AUTO or config.profile is not None, "budget",
            f"{AUTO!r} needs the model's decay profile, and this server has none")

@@ -179,6 +179,9 @@ SERVER_ONLY_FIELDS = [
                                        "(server config key 'allow_request_audit_repair' is false)"),
     ({"tail_replay": {"repair": True}}, "'repair': is refused on this server: per-request audit and repair are off "
                                         "(server config key 'allow_request_audit_repair' is false)"),
+    ({"tail_replay": {"repair_shared": True}}, "'repair_shared': true is refused on this server: per-request audit "
+                                               "and repair are off (server config key 'allow_request_audit_repair' "
+                                               "is false)"),
 ]
 #: the Tail-Replay counters a client's request moves (traffic, repairs, audits)
 COUNTERS = ("sglang_ext:tail_replay_requests_total", "sglang_ext:tail_replay_repairs_total",
@@ -224,6 +227,16 @@ def test_server_bookkeeping_from_a_client_is_a_400_naming_the_field(servers, cus
     assert batch.status_code == 400 and needle in batch.text
     assert counters(server) == before   # refused before the scheduler: not counted, nothing sent
     assert still_serving(server)
+
+
+def test_a_request_may_turn_shared_state_repair_off(servers):
+    """`repair_shared: false` only saves a background run: allowed on any server (the fuzzer's
+    workloads send it), where `true` needs `allow_request_audit_repair` (above)."""
+    server = servers["pure"]
+    resp = post(server, {"temperature": 0, "custom_params": {"tail_replay": {"repair_shared": False}}},
+                ids=random_prompt(LONG, seed=45))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["meta_info"]["completion_tokens"] == 1
 
 
 def test_server_runs_its_own_background_runs_and_counts_them(servers):

@@ -83,6 +83,20 @@ def test_config_keys():
         check_request(allowing, {"tail_replay": {"repair_of": "someone-else"}})
 
 
+def test_a_request_turns_shared_state_repair_off_freely_but_on_only_where_the_server_allows_it():
+    """Each shared-state repair buys an extra exact prefill: `repair_shared: true` from a request
+    needs `allow_request_audit_repair` (also where the server has it off); `false` is always allowed."""
+    off = config_from_dict({"repair_shared": False})
+    for base in (DEFAULTS, off):
+        assert check_request(base, {"tail_replay": {"repair_shared": False}}).repair_shared is False
+        with pytest.raises(TailReplayConfigError, match="'repair_shared': true is refused on this server: per-request "
+                                                        "audit and repair are off \\(server config key "
+                                                        "'allow_request_audit_repair' is false"):
+            check_request(base, {"tail_replay": {"repair_shared": True}})
+    allowing = config_from_dict({"allow_request_audit_repair": True, "repair_shared": False})
+    assert check_request(allowing, {"tail_replay": {"repair_shared": True}}).repair_shared is True
+
+
 def _output(details, reasons, rids):
     return SimpleNamespace(cached_tokens_details=details, finished_reasons=reasons, rids=rids)
 
