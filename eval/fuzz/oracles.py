@@ -27,7 +27,8 @@ LOG_PATTERNS = {
     "memory leak": re.compile(r"memory leak detected", re.I),
     "sanity check": re.compile(r"sanity.?check.*(fail|error)|AssertionError", re.I),
     "scheduler exception": re.compile(r"Scheduler hit an exception"),
-    "http 5xx": re.compile(r'" 5\d\d\b'),
+    # (not /health_generate: it answers 503 while a server starts)
+    "http 5xx": re.compile(r'"[A-Z]+ /(?!health)\S* HTTP/[\d.]+" 5\d\d\b'),
 }
 
 

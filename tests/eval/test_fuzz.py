@@ -85,6 +85,10 @@ def test_log_oracle_finds_tracebacks_and_leaks():
     assert log_violations("INFO all good\n") == []
     log = "x\nTraceback (most recent call last):\n  ...\nValueError: token_to_kv_pool memory leak detected! n=3\n"
     assert {v["detail"]["pattern"] for v in log_violations(log)} == {"traceback", "memory leak"}
+    starting = '[t] INFO:     127.0.0.1:1 - "GET /health_generate HTTP/1.1" 503 Service Unavailable\n'
+    assert log_violations(starting) == []
+    failed = '[t] INFO:     127.0.0.1:1 - "POST /generate HTTP/1.1" 500 Internal Server Error\n'
+    assert [v["detail"]["pattern"] for v in log_violations(starting + failed)] == ["http 5xx"]
 
 
 def test_shrink_keeps_dependencies_and_drops_unrelated_ops():
