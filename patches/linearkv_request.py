@@ -111,12 +111,24 @@ def served_length(manager: Any, n: int) -> int:
     return min(n, limit) if limit is not None and n >= limit else n
 
 
+#: `custom_params.linearkv` keys only the server's own chunk registrations carry (`_register`)
+INTERNAL_FIELDS = ("register", "keep_state")
+
+
+def _refuse_internal(value: Any, where: str = "") -> None:
+    """ValueError naming the first server-internal key a client's `custom_params.linearkv` holds."""
+    internal = [key for key in INTERNAL_FIELDS if value is not None and key in value]
+    if internal:
+        raise ValueError(f"custom_params.linearkv.{internal[0]} is internal to the server{where}")
+
+
 def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[int]], bool]:
     """Rewrite obj (separator mode), validate its chunks; return the chunks' token ids to register
     ([] for a request without chunks) and whether their registrations keep the chunks' end states
     (the request's rule reads them). ValueError naming the field on bad input: also an `extra_key`
-    in the chunk namespace, on single and batched requests alike (a prompt cached there would
-    pose as a tenant's registered chunk)."""
+    in the chunk namespace and the server-internal keys (`INTERNAL_FIELDS`), on single requests
+    and on every entry of a batch alike (a prompt cached there would pose as a tenant's registered
+    chunk; a client's `register` would be served as one)."""
     from sglang_ext.linearkv import NAMESPACE_PREFIX, is_chunk_namespace, keeps_state, plan_chunks, request_field
 
     config, _ = server
@@ -124,14 +136,16 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[
     if any(isinstance(key, str) and is_chunk_namespace(key) for key in keys):
         raise ValueError(f"extra_key: keys starting with {NAMESPACE_PREFIX!r} are reserved for LinearKV's chunks")
     if not _is_single(obj):
-        custom = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params]
-        if any(isinstance(p, dict) and request_field(p.get("custom_params")) for p in custom):
+        batched = isinstance(obj.sampling_params, list)
+        custom = obj.sampling_params if batched else [obj.sampling_params]
+        values = [request_field(p.get("custom_params")) if isinstance(p, dict) else None for p in custom]
+        for i, value in enumerate(values):
+            _refuse_internal(value, f" (batch entry {i})" if batched else " (every entry of the batch)")
+        if any(values):
             raise ValueError("custom_params.linearkv: batched requests are not supported; send one request per prompt")
         return [], False
     value = request_field(_custom_params(obj))
-    internal = [key for key in ("register", "keep_state") if value is not None and key in value]
-    if internal:
-        raise ValueError(f"custom_params.linearkv.{internal[0]} is internal to the server")
+    _refuse_internal(value)
     separator = value.get("separator") if value is not None else config.separator
     if value is not None and "separator" in value and (not isinstance(separator, str) or not separator):
         raise ValueError(f"custom_params.linearkv.separator must be a non-empty string, got {separator!r}")

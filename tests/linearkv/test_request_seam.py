@@ -1,5 +1,6 @@
 """LinearKV's request seam on arrival (`patches/linearkv_request.py: prepare`), on SGLang's own
-request object: the chunk namespace is reserved for single and batched requests alike."""
+request object: the chunk namespace and the server-internal fields are refused for single and
+batched requests alike."""
 
 from __future__ import annotations
 
@@ -31,3 +32,19 @@ def test_single_requests_are_checked_and_other_keys_pass():
     assert _prepare(input_ids=[[11, 12], [13, 14]], extra_key=["a", None], sampling_params={"max_new_tokens": 1}) \
         == ([], False)
     assert _prepare(input_ids=[11, 12, 13], extra_key="tenant-a", sampling_params={"max_new_tokens": 1}) == ([], False)
+
+
+@pytest.mark.parametrize("field", ["register", "keep_state"])
+def test_internal_fields_are_refused_on_every_entry_of_a_batch(field):
+    """`register` / `keep_state` mark the server's own chunk registrations: a client's request
+    carrying one is refused by name, whether single, a batch entry, or a batch's shared params."""
+    internal = {"max_new_tokens": 0, "custom_params": {"linearkv": {field: True}}}
+    needle = f"custom_params.linearkv.{field} is internal to the server"
+    with pytest.raises(ValueError, match=needle + "$"):
+        _prepare(input_ids=[11, 12, 13], sampling_params=internal)
+    with pytest.raises(ValueError, match=needle + " \\(batch entry 1\\)"):
+        _prepare(input_ids=[[11, 12], [13, 14]], sampling_params=[{"max_new_tokens": 1}, internal])
+    with pytest.raises(ValueError, match=needle + " \\(every entry of the batch\\)"):
+        _prepare(text=["a b", "c d"], sampling_params=internal)
+    plain = {"max_new_tokens": 1, "custom_params": {"tail_replay": {"budget": 0.5}}}
+    assert _prepare(input_ids=[[11, 12], [13, 14]], sampling_params=[plain, plain]) == ([], False)
