@@ -1,16 +1,25 @@
 """SGLang adapter: the Mamba (linear-state) component of `--radix-cache-backend linearkv`.
 
 One table, `CACHING`, says for each kind of request (`request_kind`) what it inserts into the
-tree and what it does with its linear state, at its match and when it is cached; the component's
-methods read it in one place (`rule_of`) and do nothing else by kind:
+tree, what it does with its linear state, at its match and when it is cached, and what its
+inserts' provenance is decided from; the component's methods (and `track_provenance`, after a
+registration's match) read it in one place (`rule_of`) and do nothing else by kind:
 
-| kind             | inserts      | state at the match            | state when cached                  |
-|------------------|--------------|-------------------------------|------------------------------------|
-| plain, fallback  | Tail-Replay  | Tail-Replay                   | Tail-Replay                        |
-| register_kv      | every token  | SGLang's                      | withheld (a KV-only chunk)         |
-| register_state   | every token  | SGLang's                      | the exact end state (see `END`)    |
-| register_hit     | every token  | cleared (a throw-away prefill)| withheld                           |
-| assembled        | up to c_1    | Tail-Replay (its plan over P) | withheld (approximate past c_1)    |
+| kind             | inserts      | state at the match            | state when cached                  | provenance     |
+|------------------|--------------|-------------------------------|------------------------------------|----------------|
+| plain, fallback  | Tail-Replay  | Tail-Replay                   | Tail-Replay                        | its plan       |
+| register_kv      | every token  | SGLang's                      | withheld (a KV-only chunk)         | from scratch   |
+| register_state   | every token  | SGLang's                      | the exact end state (see `END`)    | from scratch   |
+| register_hit     | every token  | cleared (a throw-away prefill)| withheld                           | unknown        |
+| assembled        | up to c_1    | Tail-Replay (its plan over P) | withheld (approximate past c_1)    | unknown        |
+
+Provenance is decided in one place, Tail-Replay's (`insert_provenance`, from the request's
+Tail-Replay record); this column says what that record holds. "its plan": Tail-Replay's planner
+set it at the match. "from scratch": a registration prefilled in full from the zero state, at
+position 0 of its namespace, computes its KV and end state exactly: its record gets an exact
+plan (`FROM_SCRATCH`, a miss: nothing reused). "unknown": no plan (fail closed, never exact): a
+registration hit's last token runs from a cleared state (its other tokens are the tree's own);
+an assembled request reads chunk KV out of position (its plan over P is dropped at its load).
 
 A fallback is a request with chunks served as a plain prefill (a chunk missed, or its layout no
 longer fits the prompt as served); an assembled request one whose chunk KV was placed at admission.
@@ -26,7 +35,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from sglang_ext.linearkv.serving import LinearKVRequest, record_of
-from sglang_ext.tail_replay import TailReplayMambaComponent
+from sglang_ext.tail_replay import HitKind, ReplayPlan, TailReplayMambaComponent
 from sglang_ext.tail_replay import record_of as tail_replay_record_of
 
 #: what a request inserts: Tail-Replay's rules decide | every token of the sequence | [0, c_1) only
@@ -37,6 +46,11 @@ TAIL_REPLAY, ALL, PREFIX = "tail_replay", "all", "prefix"
 #: donated). END calls SGLang's `MambaComponent` directly: Tail-Replay's rules would withhold a
 #: registration's state on a server that keeps no checkpoints (`keep_checkpoints: false`).
 STOCK, CLEAR, WITHHOLD, END = "stock", "clear", "withhold", "end"
+#: what its inserts' provenance is decided from (module docstring): its Tail-Replay plan | an
+#: exact plan from position 0 (`FROM_SCRATCH`) | no plan (unknown: never exact)
+PLANNED, EXACT_FROM_SCRATCH, UNKNOWN = "planned", "from_scratch", "unknown"
+#: the plan of a registration prefilled in full from the zero state: nothing reused, all exact
+FROM_SCRATCH = ReplayPlan(HitKind.MISS, matched_tokens=0, prefix_len=0, replay_start=0)
 
 
 @dataclass(frozen=True)
@@ -44,15 +58,16 @@ class CachingRule:
     inserts: str
     at_match: str
     when_cached: str
+    provenance: str
 
 
 CACHING: dict[str, CachingRule] = {
-    "plain": CachingRule(TAIL_REPLAY, TAIL_REPLAY, TAIL_REPLAY),
-    "fallback": CachingRule(TAIL_REPLAY, TAIL_REPLAY, TAIL_REPLAY),
-    "register_kv": CachingRule(ALL, STOCK, WITHHOLD),
-    "register_state": CachingRule(ALL, STOCK, END),
-    "register_hit": CachingRule(ALL, CLEAR, WITHHOLD),
-    "assembled": CachingRule(PREFIX, TAIL_REPLAY, WITHHOLD),
+    "plain": CachingRule(TAIL_REPLAY, TAIL_REPLAY, TAIL_REPLAY, PLANNED),
+    "fallback": CachingRule(TAIL_REPLAY, TAIL_REPLAY, TAIL_REPLAY, PLANNED),
+    "register_kv": CachingRule(ALL, STOCK, WITHHOLD, EXACT_FROM_SCRATCH),
+    "register_state": CachingRule(ALL, STOCK, END, EXACT_FROM_SCRATCH),
+    "register_hit": CachingRule(ALL, CLEAR, WITHHOLD, UNKNOWN),
+    "assembled": CachingRule(PREFIX, TAIL_REPLAY, WITHHOLD, UNKNOWN),
 }
 
 
@@ -69,6 +84,30 @@ def request_kind(record: LinearKVRequest | None) -> str:
 
 def rule_of(req: Any) -> CachingRule:
     return CACHING[request_kind(record_of(req))]
+
+
+def track_provenance(cache: Any, req: Any) -> None:
+    """After a registration's match (its kind is known): its Tail-Replay record says what its
+    inserts are computed from (`CACHING`'s provenance column), for Tail-Replay's one provenance
+    decision to read. "from scratch": the record (created with the request's config,
+    `cache.request_record`) gets the exact plan `FROM_SCRATCH`; it is the server's own run, not
+    traffic, so Tail-Replay's request counters skip it. "unknown": any plan an earlier match left
+    is dropped. May mutate: the request's Tail-Replay record."""
+    provenance = rule_of(req).provenance
+    if provenance == EXACT_FROM_SCRATCH:
+        record = cache.request_record(req)
+        record.set_plan(FROM_SCRATCH)
+        record.recorded = record.exactness_recorded = True
+    elif provenance == UNKNOWN:
+        untrack(req)
+
+
+def untrack(req: Any) -> None:
+    """Drop the plan an earlier match of `req` left on its Tail-Replay record, if any (a
+    registration's re-match then runs SGLang's own match, as its first did). May mutate: that record."""
+    record = tail_replay_record_of(req)
+    if record is not None:
+        record.drop_plan()
 
 
 class LinearKVMambaComponent(TailReplayMambaComponent):

@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from sglang_ext.linearkv.assembly import ChunkAssembly
+from sglang_ext.linearkv.mamba_component import track_provenance, untrack
 from sglang_ext.linearkv.model_layers import KeyRelocator
 from sglang_ext.linearkv.prepass import reads_done
 from sglang_ext.linearkv.serving import (
@@ -169,6 +170,7 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
     def _match_registration(self, params: MatchPrefixParams, record: LinearKVRequest) -> MatchResult:
         """A chunk registration: a one-token throw-away prefill when the chunk and its end state
         are in the namespace, else a full prefill from zero (its end state is then stored)."""
+        untrack(params.req)   # a re-match (after retraction) is planned anew below
         key = params.key
         n = len(key.token_ids)
         found = self._find_chunk(key.token_ids, 0, n, need_state=record.keep_state,
@@ -185,7 +187,9 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
             root = self.root_node_handle(key.extra_key)
             result = result._replace(device_prefix_len=0, last_device_node=root, last_host_node=root,
                                      best_match_node=root, mamba_branching_seqlen=None)
-        return UnifiedFinalize.finalize(self, params, result)
+        result = UnifiedFinalize.finalize(self, params, result)
+        track_provenance(self, params.req)   # exact from scratch, or unknown (a hit): `mamba_component`
+        return result
 
     def _find_chunk(self, token_ids: Any, start: int, end: int, need_state: bool,
                     space: tuple[str, str | None]) -> Any:

@@ -262,4 +262,5 @@ def test_each_request_kind_has_one_caching_rule():
     assert (CACHING["assembled"].inserts, CACHING["assembled"].when_cached) == ("prefix", "withhold")
     assert CACHING["register_state"].when_cached == "end" and CACHING["register_hit"].at_match == "clear"
     assert all(CACHING[k].inserts == "all" for k in ("register_kv", "register_state", "register_hit"))
-    assert all(set(vars(rule).values()) == {"tail_replay"} for k, rule in CACHING.items() if k in ("plain", "fallback"))
+    assert all((rule.inserts, rule.at_match, rule.when_cached) == ("tail_replay",) * 3
+               for k, rule in CACHING.items() if k in ("plain", "fallback"))
