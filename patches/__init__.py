@@ -67,7 +67,7 @@ CPU_PATCHES: tuple[str, ...] = (
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
                                 "tail_replay_gdn_bound", "tail_replay_mamba2_bound", "tail_replay_meta",
-                                "tail_replay_audit", "ipc_json", "tail_replay_request", "tail_replay_session",
+                                "tail_replay_audit", "ipc_json", "tail_replay_request", "tail_replay_pressure", "tail_replay_session",
                                 "tail_replay_sizing", "tail_replay_pages", "tail_replay_host_pools",
                                 "request_token_ids", "linearkv_request", "linearkv_prepass", "linearkv_admission",
                                 "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat",

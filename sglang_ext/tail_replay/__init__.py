@@ -11,7 +11,10 @@ hit of L tokens is reused), `request` (the typed per-request record on SGLang's 
 every cached token and state carries, and how a request carries its own forward), `audit` (pure:
 the live quality audit's sampling decision, divergence and store of served distributions),
 `insert_provenance` (pure: the one place that decides the bounds of what enters the tree; fail
-closed), `own_tail` (kv_mode "recompute"). The SGLang adapter (`--radix-cache-backend
+closed), `own_tail` (kv_mode "recompute"), `pressure` (pure: `exactness: "exact_unless_pressed"`'s
+thresholds and the arrival stamp, written on the replica's first rank by
+`patches/tail_replay_pressure.py` before SGLang broadcasts the request to the other ranks).
+The SGLang adapter (`--radix-cache-backend
 tail_replay`), one concern per module: `cache` (the match and its plan, the factory), `component`
 (the Mamba component), `tree_provenance` (a node's provenance on insert / split / overlap, the
 matched path walked once per match), `tiers` (host and storage tiers), `state_order` (which state
@@ -137,6 +140,7 @@ from sglang_ext.tail_replay.metrics import (
     replay_summary,
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
+from sglang_ext.tail_replay.pressure import PRESSURE_PARAM_KEY, LoadSample, PressurePolicy, pressed_by, stamp
 from sglang_ext.tail_replay.provenance import CarrySegments, carry_segments
 from sglang_ext.tail_replay.repair import (
     MAX_REPAIRS_IN_FLIGHT,
@@ -176,6 +180,7 @@ __all__ = [
     "BACKGROUND_PARAM_KEY", "background_mark", "check_request",
     "with_overrides", "user_settings", "with_model_profile", "AUTO", "PERCENTILES",
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
+    "PRESSURE_PARAM_KEY", "LoadSample", "PressurePolicy", "pressed_by", "stamp",
     "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",
     "META_KEY", "is_recording_rank", "plan_summary", "record_bound", "record_first_forward", "record_plan",
     "replay_summary", "output_provenance", "record_audit", "record_repair_finished", "records_here",

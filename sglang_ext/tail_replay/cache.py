@@ -35,7 +35,7 @@ from sglang_ext.tail_replay.branch_rules import SharedRepairRules
 from sglang_ext.tail_replay.component import TailReplayMambaComponent
 from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, request_overrides, server_config
 from sglang_ext.tail_replay.kv_past_state import KvPastTheState
-from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, exact_fallback, plan_replay, pressure_config, refused
 from sglang_ext.tail_replay.provenance import PathProvenance
 from sglang_ext.tail_replay.request import TailReplayRequest, attach, record_of
 from sglang_ext.tail_replay.sessions import StreamingTurns
@@ -53,7 +53,8 @@ def request_config(base: TailReplayConfig, req: Any) -> TailReplayConfig:
     """The server's config with the request's `custom_params["tail_replay"]` overrides
     (validated when the request arrived, see patches/tail_replay_request.py). Resolved once per
     request: `record_for` keeps the result on the request's record."""
-    return request_overrides(base, getattr(req.sampling_params, "custom_params", None))
+    custom_params = getattr(req.sampling_params, "custom_params", None)   # with its arrival's pressure stamp
+    return pressure_config(request_overrides(base, custom_params), custom_params)
 
 
 def record_for(base: TailReplayConfig, req: Any) -> TailReplayRequest:
@@ -149,10 +150,12 @@ class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvP
 
         return path.node_at_depth(depth, self.tree_core.root_node.id, split)
 
-    def _plan(self, record: TailReplayRequest, matched: int, path: MatchedPath, last_node: Any) -> Planned:
+    def _plan(self, record: TailReplayRequest, matched: int, path: MatchedPath, last_node: Any,
+              config: TailReplayConfig | None = None) -> Planned:
         """The plan over the path's first `matched` tokens (`path` and its node `last_node` end
-        there). Reads the tree; may split the node at the strict mode's cut."""
-        config = record.config
+        there), under the request's config (or `config`). Reads the tree; may split the node at the
+        strict mode's cut."""
+        config = config or record.config
         prov = path.provenance(self.components[ComponentType.MAMBA].host_states)
         if config.strict and prov.first_inexact < matched:   # read only strictly exact KV
             matched = prov.first_inexact // self.page_size * self.page_size
@@ -161,6 +164,9 @@ class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvP
         approx_state = None if config.strict else prov.deepest_approximate_state(config.threshold)
         plan = plan_replay(matched, exact_state.depth if exact_state else None, self.page_size, config,
                            (approx_state.depth, approx_state.bound) if approx_state else None)
+        if plan.pressure == "beyond_tolerance":   # pressed, the approximate plan's bound too large: exact
+            planned = self._plan(record, matched, path, last_node, exact_fallback(config))
+            return planned._replace(plan=refused(planned.plan, plan))
         start_state = exact_state if plan.kind is HitKind.EXACT_CHECKPOINT else approx_state
         return Planned(plan, start_state, prov, last_node, path)
 

@@ -37,13 +37,15 @@ from sglang_ext.tail_replay.decay_profile import (
     default_profile_path,
     load_profile,
 )
+from sglang_ext.tail_replay.pressure import PRESSURE_PARAM_KEY, PressurePolicy, parse_policy
 
 #: `--radix-cache-backend` name of Tail-Replay
 BACKEND_NAME = "tail_replay"
 KV_MODES = ("exact", "recompute")
 #: `exactness`: "approximate" (reuse approximately where that pays), "exact_first" (exact wherever an
-#: exact state is on the matched path, approximate only where there is none) or "exact" (only exact nodes)
-EXACTNESS = ("approximate", "exact_first", "exact")
+#: exact state is on the matched path, approximate only where there is none), "exact" (only exact nodes) or
+#: "exact_unless_pressed" ("exact"; under `pressure`, "approximate" within its tolerance)
+EXACTNESS = ("approximate", "exact_first", "exact", "exact_unless_pressed")
 #: `state_order`: which stored state goes first under state pressure: "lru" (SGLang's order),
 #: "ends" (a state its conversation has moved past first, then least recently used) or
 #: "approximate_first" (a state that does not count as exact first, then least recently used)
@@ -133,6 +135,10 @@ class TailReplayConfig:
     #: first; then least recently used), keeping the exact states stock SGLang would hold
     #: (server setting only)
     state_order: str = "lru"
+    #: "exact_unless_pressed": the load thresholds and tolerance (JSON object, server only; pressure.py)
+    pressure: PressurePolicy | None = None
+    #: the thresholds the request's pressure stamp says were met at its arrival (out of band); not a key
+    pressed_by: tuple[str, ...] = ()
     #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
     profile: DecayProfile | None = field(default=None, compare=False, repr=False)
 
@@ -156,11 +162,15 @@ class TailReplayConfig:
         _check(self.repair_kind in REPAIR_KINDS, "repair_kind",
                f"must be one of {REPAIR_KINDS}, got {self.repair_kind!r}")
         _check(self.state_order in STATE_ORDERS, "state_order", f"must be one of {STATE_ORDERS}, got {self.state_order!r}")
+        if self.pressure is not None and not isinstance(self.pressure, PressurePolicy):
+            object.__setattr__(self, "pressure", parse_policy(self.pressure, TailReplayConfigError))
+        _check(self.exactness != "exact_unless_pressed" or self.pressure is not None, "exactness",
+               "needs the 'pressure' thresholds")
 
     @property
     def strict(self) -> bool:
         """`exactness: "exact"`: only strictly exact nodes and states are reused."""
-        return self.exactness == "exact"
+        return self.exactness == "exact" or (self.exactness == "exact_unless_pressed" and not self.pressed_by)
 
     @property
     def exact_first(self) -> bool:
@@ -183,11 +193,11 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
     "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
     "exactness": str, "exact_threshold": (int, float), "audit_rate": (int, float), "audit": bool,
-    "state_order": str, "repair": bool, "repair_shared": bool, "allow_request_audit_repair": bool}
+    "state_order": str, "repair": bool, "repair_shared": bool, "allow_request_audit_repair": bool, "pressure": dict}
 #: keys a request may not set (a file path, what counts as exact, how much of its traffic is
 #: audited, whether requests may ask for background runs and the state pool's eviction order are
 #: the server's business)
-_SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order", "allow_request_audit_repair")
+_SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order", "allow_request_audit_repair", "pressure")
 #: keys only a request sets (what happens to one request)
 _REQUEST_ONLY = ("audit",)
 #: keys a request sets only where the server allows it (`allow_request_audit_repair`)
@@ -247,7 +257,8 @@ def config_from_dict(raw: dict) -> TailReplayConfig:
 def user_settings(config: TailReplayConfig) -> dict:
     """The config's server keys and values as a user writes them (no derived fields, no per-request
     keys)."""
-    return {name: getattr(config, name) for name in _TYPES if name not in _REQUEST_ONLY}
+    return {name: (v.as_dict() if isinstance(v := getattr(config, name), PressurePolicy) else v)
+            for name in _TYPES if name not in _REQUEST_ONLY}
 
 
 def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfig:
@@ -297,9 +308,9 @@ def check_request(base: TailReplayConfig, custom_params: object,
     TailReplayConfigError (a ValueError: SGLang answers that request with HTTP 400) whose message
     names the field, so no malformed request reaches the scheduler. The server's own mark
     (`BACKGROUND_PARAM_KEY`) is refused here: only the server sets it, after this check."""
-    if isinstance(custom_params, dict) and BACKGROUND_PARAM_KEY in custom_params:
-        raise TailReplayConfigError(f"{CUSTOM_PARAMS_FIELD}[{BACKGROUND_PARAM_KEY!r}] is set by the server on its "
-                                    "own background runs; a request cannot set it")
+    for key, when in ((BACKGROUND_PARAM_KEY, "on its own background runs"), (PRESSURE_PARAM_KEY, "at arrival")):
+        if isinstance(custom_params, dict) and key in custom_params:   # the server's marks (pressure.py)
+            raise TailReplayConfigError(f"{CUSTOM_PARAMS_FIELD}[{key!r}] is set by the server {when}; a request cannot set it")
     return _with_request_fields(base, custom_params, limits)
 
 

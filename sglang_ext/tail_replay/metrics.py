@@ -77,6 +77,12 @@ def _counters() -> dict:
             "not exact recomputed exactly in the background (kind=answer; repair: true), so its sequence's nodes "
             "and end state become exact; an approximate state that conversations branch from recomputed "
             "exactly (kind=shared_state; repair_shared: true)", ["kind"]),
+        "pressure": Counter(
+            "sglang_ext:tail_replay_pressure_requests",
+            "exactness 'exact_unless_pressed': requests by the thresholds their arrival's stamp met (pressed_by, "
+            "comma-separated; empty: not pressed) and outcome: approximate (an approximate plan within the "
+            "tolerance), beyond_tolerance (the approximate plan's bound was above it: served exactly), exact "
+            "(pressed, the plan was exact anyway), not_pressed", ["pressed_by", "outcome"]),
         "audits": Counter(
             "sglang_ext:tail_replay_audits",
             "Live quality audits recorded, by trigger and by whether the served and the exact reference's "
@@ -118,6 +124,22 @@ def record_first_forward(record: TailReplayRequest) -> None:
         record.recorded = True
         if not record.config.background:   # an audit's reference or a repair run is not traffic
             record_plan(record.plan)
+            pressure = pressure_summary(record)
+            if pressure is not None and _this_rank_records():
+                _counters()["pressure"].labels(pressed_by=",".join(pressure["pressed_by"]),
+                                               outcome=pressure["outcome"]).inc()
+
+
+def pressure_summary(record: TailReplayRequest) -> dict | None:
+    """Under `exactness: "exact_unless_pressed"`: the thresholds the request's arrival met
+    (`pressed_by`), what its plan did under them (`outcome`: planner.UNDER_PRESSURE, or
+    "not_pressed") and the certified bound checked against the tolerance (`planned_bound`, None
+    where no approximate plan was considered); None under the other modes."""
+    config, plan = record.config, record.plan
+    if config.exactness != "exact_unless_pressed" or plan is None:
+        return None
+    return {"pressed_by": list(config.pressed_by), "outcome": plan.pressure or "not_pressed",
+            "planned_bound": plan.planned_bound}
 
 
 def record_stored_bound(kind: str, bound: float) -> None:
@@ -183,6 +205,8 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
                 _counters()["kv_exact"].labels(kv_exact=str(read_exact).lower()).inc()
     if record.audit is not None:
         summary["audit"] = record.audit
+    if (pressure := pressure_summary(record)) is not None:
+        summary["pressure"] = pressure
     if record.plan.kind is not HitKind.APPROXIMATE:
         return summary
     if record.bound is None:

@@ -19,16 +19,28 @@ page size, and the config. Output: a ReplayPlan.
                           dropped from the linear layers' state (their gates have mostly forgotten
                           them). Never in the exact mode (there: C, else a miss).
 - MISS:                   L < min_match_tokens (or L = 0) and no checkpoint: compute everything.
+
+`exactness: "exact_unless_pressed"` (tail_replay/pressure.py): a request whose arrival stamp names
+no threshold is planned as in "exact"; a pressed one as in "approximate", and an approximate plan
+keeps its place only if its certified bound (`planned_bound`: a fresh replay's d^W, an approximate
+checkpoint's stored bound) is within the policy's tolerance. The plan says so (`pressure`:
+"approximate" within the tolerance, "beyond_tolerance": the caller plans it again as "exact",
+`exact_fallback`, and keeps the mark; "exact": pressed, and the plan was exact anyway).
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sglang_ext.tail_replay.config import AUTO, TailReplayConfig
 from sglang_ext.tail_replay.decay_profile import certified_window
+from sglang_ext.tail_replay.pressure import read_stamp
+
+#: `ReplayPlan.pressure` of a pressed request: an approximate plan within the tolerance; an
+#: approximate plan refused for its bound (the request is planned exactly); an exact plan anyway
+UNDER_PRESSURE = ("approximate", "beyond_tolerance", "exact")
 
 
 class HitKind(str, enum.Enum):
@@ -45,6 +57,10 @@ class ReplayPlan:
     matched_tokens: int      # L: tokens whose attention KV the tree holds
     prefix_len: int          # tokens the request skips (SGLang's prefix length)
     replay_start: int        # first token of the replayed tail (== prefix_len)
+    #: pressed requests (`exact_unless_pressed`): one of UNDER_PRESSURE; None otherwise
+    pressure: str | None = None
+    #: pressed requests' approximate plans: the certified state bound the tolerance was checked on
+    planned_bound: float | None = None
 
     @property
     def replayed_tokens(self) -> int:
@@ -91,8 +107,51 @@ def fresh_replay_bound(config: TailReplayConfig, window: int) -> float:
     return float(decay) ** window if decay < 1.0 else 1.0
 
 
+def pressure_config(config: TailReplayConfig, custom_params: object) -> TailReplayConfig:
+    """A request's config with its arrival stamp read (`pressed_by`), under `exact_unless_pressed`:
+    the stamp the replica's first rank wrote is read, never the local load (every rank plans the
+    same). Other modes, and requests without a stamp (fail closed), are left as they are."""
+    if config.exactness != "exact_unless_pressed":
+        return config
+    return replace(config, pressed_by=read_stamp(custom_params))
+
+
+def exact_fallback(config: TailReplayConfig) -> TailReplayConfig:
+    """The config a pressed request whose approximate plan was beyond the tolerance is planned
+    again with: "exact"'s planning (strict)."""
+    return replace(config, pressed_by=())
+
+
+def refused(exact_plan: ReplayPlan, approximate_plan: ReplayPlan) -> ReplayPlan:
+    """The exact plan a pressed request took because `approximate_plan` was beyond the tolerance,
+    marked so (the metrics and meta_info say why it stayed exact)."""
+    return replace(exact_plan, pressure="beyond_tolerance", planned_bound=approximate_plan.planned_bound)
+
+
+def planned_bound(plan: ReplayPlan, config: TailReplayConfig, approximate_checkpoint: tuple[int, float] | None) -> float:
+    """The certified bound of an approximate plan's starting state, before its forward: an
+    approximate checkpoint's stored bound, or a fresh replay's over its replayed tokens (1 without a
+    decay profile: a replay from zero may drop the whole state)."""
+    if plan.kind is HitKind.APPROXIMATE_CHECKPOINT and approximate_checkpoint is not None:
+        return approximate_checkpoint[1]
+    return fresh_replay_bound(config, plan.replayed_tokens)
+
+
 def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
                 config: TailReplayConfig, approximate_checkpoint: tuple[int, float] | None = None) -> ReplayPlan:
+    plan = _plan(matched_len, checkpoint_len, page_size, config, approximate_checkpoint)
+    if config.exactness != "exact_unless_pressed" or not config.pressed_by:
+        return plan
+    if plan.state_is_exact:
+        return replace(plan, pressure="exact")
+    assert config.pressure is not None   # config validation: "exact_unless_pressed" needs `pressure`
+    bound = planned_bound(plan, config, approximate_checkpoint)
+    verdict = "approximate" if bound <= config.pressure.tolerance else "beyond_tolerance"
+    return replace(plan, pressure=verdict, planned_bound=bound)
+
+
+def _plan(matched_len: int, checkpoint_len: int | None, page_size: int,
+          config: TailReplayConfig, approximate_checkpoint: tuple[int, float] | None) -> ReplayPlan:
     window = replay_window(matched_len, config)
     if checkpoint_len is not None and matched_len - checkpoint_len <= window:
         return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
