@@ -664,3 +664,30 @@ def test_rounds_full_of_loads_and_plain_requests_keep_the_state_pool(served, arc
     time.sleep(1.0)   # idle: the strict pool check runs
     _alive(server)
     assert "Traceback" not in server.log_text(), server.log_text()[-4000:]
+
+
+STORED = "sglang_ext:tail_replay_stored_bound_bucket"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunk_registrations_are_stored_as_exact(served, arch):
+    """A chunk registration is prefilled from scratch at position 0 of its namespace: its KV and
+    end state are exact and enter the tree with bound 0, not as UNTRACKED (+Inf stored bounds,
+    never exact, first to go under `state_order: approximate_first`). Chunks at offset 0 (no P):
+    the assembled request itself inserts nothing, so only the registrations are stored."""
+    procs, _ = served
+    server = procs[arch]
+
+    def stored() -> tuple[float, float]:
+        text = requests.get(f"{server.url}/metrics", timeout=30).text
+        exact = metric_total(text, STORED, 'le="0.0"')
+        return exact, metric_total(text, STORED, 'le="+Inf"') - metric_total(text, STORED, 'le="1.0"')
+
+    exact_before, untracked_before = stored()
+    rng = random.Random(4300 + ARCHS.index(arch))
+    chunks = [[rng.randrange(100, 200) for _ in range(CHUNK)] for _ in range(2)]
+    assert _details(ask(server, [], chunks, _ids(5, 4310)))["chunks_hit"] == 2
+    time.sleep(0.3)
+    exact_after, untracked_after = stored()
+    assert exact_after - exact_before >= 2, "each registration stores its chunk's KV, exact"
+    assert untracked_after == untracked_before, "a registration was stored with an unknown (infinite) bound"
