@@ -48,8 +48,10 @@ KV_MODES = ("exact", "recompute")
 EXACTNESS = ("approximate", "exact_first", "exact", "exact_unless_pressed")
 #: `state_order`: which stored state goes first under state pressure: "lru" (SGLang's order),
 #: "ends" (a state its conversation has moved past first, then least recently used) or
-#: "approximate_first" (a state that does not count as exact first, then least recently used)
-STATE_ORDERS = ("lru", "ends", "approximate_first")
+#: "approximate_first" (a state that does not count as exact first, then least recently used);
+#: "auto" (the default): "approximate_first" under `exactness` "exact_first" / "exact", "lru" under
+#: "approximate" (`StateEvictionOrder`)
+STATE_ORDERS = ("auto", "lru", "ends", "approximate_first")
 #: `repair_kind` of a repair run: a finished answer's sequence ("answer", `repair: true`) or a shared
 #: state's prefix ("shared_state", `repair_shared: true`)
 REPAIR_KINDS = ("answer", "shared_state")
@@ -132,9 +134,11 @@ class TailReplayConfig:
     #: node continues in exactly one child with a state further down, least recently used first;
     #: then least recently used), keeping conversation ends and branch points, or
     #: "approximate_first" (first a state that does not count as exact, least recently used
-    #: first; then least recently used), keeping the exact states stock SGLang would hold
+    #: first; then least recently used), keeping the exact states stock SGLang would hold, or
+    #: "auto": "approximate_first" where the server's `exactness` is "exact_first" or "exact" (no
+    #: approximate or untracked state displaces an exact one), "lru" under "approximate"
     #: (server setting only)
-    state_order: str = "lru"
+    state_order: str = "auto"
     #: "exact_unless_pressed": the load thresholds and tolerance (JSON object, server only; pressure.py)
     pressure: PressurePolicy | None = None
     #: the thresholds the request's pressure stamp says were met at its arrival (out of band); not a key

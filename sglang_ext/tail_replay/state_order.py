@@ -2,6 +2,12 @@
 `TailReplayMambaComponent`). State pressure frees states, never attention KV; which state goes
 first is SGLang's LRU order, unless the config's `state_order` (or an eviction policy,
 `--radix-eviction-policy sae`) puts some first.
+
+The default (`state_order: "auto"`) under `exactness` "exact_first" / "exact" is
+"approximate_first": a state that does not count as exact (an approximate replay's, an untracked
+one's) goes before any exact one, so Tail-Replay's own states never displace the exact states stock
+SGLang holds for the same slots (tests/tail_replay/test_state_order.py checks this against stock
+SGLang's own cache over random request sequences). Under "approximate" it is SGLang's LRU order.
 """
 
 from __future__ import annotations
@@ -23,6 +29,14 @@ def continues_to_a_state(node: Any, component_type: Any) -> bool:
         if node.component_data[component_type].value is not None:
             return True
     return False
+
+
+def resolved_order(config: Any) -> str:
+    """The state order a server config runs: `state_order`, with "auto" resolved by the server's
+    `exactness` ("lru" under "approximate", else "approximate_first")."""
+    if config.state_order != "auto":
+        return config.state_order
+    return "lru" if config.exactness == "approximate" else "approximate_first"
 
 
 class StateEvictionOrder:
@@ -61,7 +75,7 @@ class StateEvictionOrder:
         patches/sae_state_eviction.py). May mutate: the walk cursor."""
         lru = self.tree_core.lru_lists[self.component_type]
         by_session = self.tree_core.enable_session_radix_cache
-        goes_first = self._goes_first.get(self.config.state_order)
+        goes_first = self._goes_first.get(resolved_order(self.config))
         if goes_first is not None and not by_session:
             victim = self._first_unlocked_state(lru, goes_first)
             if victim is not None:
@@ -94,10 +108,10 @@ class StateEvictionOrder:
 
     def _is_approximate(self, node: Any) -> bool:
         """State order "approximate_first": the state does not count as exact (its bound above
-        `exact_threshold`), so exact states (the ones stock SGLang would hold and serve exact hits
+        the config's `threshold`), so exact states (the ones stock SGLang would hold and serve exact hits
         from) outlive approximate ones."""
         prov = provenance_of(node)
-        return prov is not None and not provenance.counts_exact(prov.state, self.config.exact_threshold)
+        return prov is not None and not provenance.counts_exact(prov.state, self.config.threshold)
 
     #: `state_order` -> which states go first under state pressure (then least recently used)
     _goes_first: dict[str, Callable[[Any, Any], bool]] = {"ends": _is_superseded, "approximate_first": _is_approximate}

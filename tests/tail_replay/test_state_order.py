@@ -1,0 +1,216 @@
+"""The default state eviction order never lets Tail-Replay's own states displace an exact state
+stock SGLang still holds (issue 45, item 3).
+
+The model: stock SGLang (its own `UnifiedRadixCache` with its own `MambaComponent`, state LRU
+and leaf eviction) and Tail-Replay (`TailReplayRadixCache`, the server's default config but for
+small replay limits) on the kit's real pools, the same number of state slots, a KV pool large
+enough that only state pressure evicts, driven by the same requests one at a time (admit with
+the state copy-on-write, lock, the scheduler's state reclaim, row + KV, decode, finish).
+
+The property, checked after every request: an exact state Tail-Replay drops in a step is not
+held by stock after that step. (An approximate state cannot be held by stock: where
+Tail-Replay's default replays approximately, stock missed and computed the same position
+exactly; that exact state is out of reach of any eviction order, see docs/tail_replay.md.)
+Under SGLang's LRU order ("lru") the property fails on such sequences (the approximate states
+take slots stock gives to its exact ones); under the default order it holds.
+
+Unit tests below pin the order itself with exact slot ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+from sglang_ext import patches  # noqa: E402
+
+patches.apply_patches("cpu")  # before any SGLang import
+
+from array import array  # noqa: E402
+from unittest import mock  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req  # noqa: E402
+from sglang.srt.mem_cache.allocation import ensure_mamba_capacity  # noqa: E402
+from sglang.srt.mem_cache.common import release_kv_cache  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
+from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
+
+from sglang_ext.tail_replay import provenance  # noqa: E402
+from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache, provenance_of  # noqa: E402
+from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
+from sglang_ext.tail_replay.planner import HitKind  # noqa: E402
+from sglang_ext.tail_replay.request import plan_of  # noqa: E402
+from sglang_ext.tail_replay.state_order import resolved_order  # noqa: E402
+from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
+
+FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
+#: the server defaults (`exactness: "exact_first"`, `state_order: "auto"`) with small replay limits
+CONFIG = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8)
+
+
+class Server:
+    """One cache on the kit's pools (Tail-Replay's, or stock SGLang's when `config` is None) and
+    a scheduler serving one request at a time."""
+
+    def __init__(self, config: TailReplayConfig | None, *, mamba_size: int, kv_size: int = 2048):
+        cfg = CacheConfig(page_size=1, components=(FULL, MAMBA), kv_size=kv_size, mamba_cache_size=mamba_size,
+                          max_num_reqs=3, max_context_len=512, num_layers=2, full_attention_layer_ids=(1,),
+                          head_num=1, head_dim=8, mamba_intermediate_size=32, mamba_num_heads=2,
+                          mamba_head_dim=16, mamba_state_size=4)
+        self.config = config
+        if config is None:
+            self.cache, self.alloc, self.pool = kit.build_fixture(cfg)
+        else:
+            cache_class = type("TailReplayRadixCache", (TailReplayRadixCache,), {"tail_replay_config": config})
+            with mock.patch.object(kit, "UnifiedRadixCache", cache_class):
+                self.cache, self.alloc, self.pool = kit.build_fixture(
+                    cfg, component_registry_override={MAMBA: TailReplayMambaComponent})
+        self.kv_total, self.mamba_total = kv_size, mamba_size
+        self.rid = 0
+
+    def run(self, tokens: list[int], output: list[int] = (), overrides: dict | None = None) -> Req:
+        self.rid += 1
+        custom = {REQUEST_PARAM_KEY: overrides} if overrides is not None else None
+        req = Req(rid=f"r{self.rid}", origin_input_text="", origin_input_ids=array("q", tokens),
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom))
+        req.init_next_round_input(self.cache)
+        req.lock = self.cache.lock(req.last_node)
+        assert ensure_mamba_capacity(self.pool, [req], self.cache)   # the scheduler's state reclaim
+        assert self.pool.alloc([req]) is not None
+        prefix = self.cache.prefix_device_indices(req) if req.prefix_len else torch.empty(0, dtype=torch.int64)
+        new = self.alloc.alloc(len(tokens) - req.prefix_len + len(output))
+        assert new is not None, "the KV pool is sized so that only state pressure evicts"
+        row = torch.cat([prefix.to(torch.int64), new.to(torch.int64)])
+        self.pool.write((req.kv.req_pool_idx, slice(0, len(row))), row.to(torch.int32))
+        req.output_ids.extend(output)
+        req.kv.kv_committed_len = req.kv.kv_allocated_len = len(row)
+        req.extend_end = len(tokens)
+        req.finished_reason = FINISH_LENGTH(length=len(output))
+        release_kv_cache(req, self.cache, checkpoint=True)
+        assert_slots_accounted(self.cache, self.pool, self.alloc, [], self.kv_total, self.mamba_total)
+        self.cache.sanity_check()
+        return req
+
+    def states(self) -> dict[tuple[int, ...], bool]:
+        """{the token path to a held state: whether it counts exact} (stock's are all exact)."""
+        out = {}
+        for node, _ in tree_nodes(self.cache):
+            if node.component_data[MAMBA].value is None:
+                continue
+            path, n = [], node
+            while n is not self.cache.tree_core.root_node:
+                path[:0] = list(n.key.token_ids)
+                n = n.parent
+            prov = provenance_of(node) if self.config is not None else None
+            out[tuple(path)] = prov is None or provenance.counts_exact(prov.state, self.config.threshold)
+        return out
+
+
+STEMS = [list(range(1000 * (i + 1), 1000 * (i + 1) + 40)) for i in range(3)]
+#: a request: a stem's prefix plus new tokens, or (None) a follow-up of an earlier request
+requests = st.tuples(st.sampled_from([0, 1, 2, None]), st.integers(0, 40), st.integers(1, 12),
+                     st.integers(0, 3), st.integers(0, 2**16))
+
+
+def served_pairs(order: str, script, mamba_size: int) -> list[str]:
+    """Serve `script` on stock and on Tail-Replay (state order `order`); the violations, one line
+    each (empty: none after any request):
+
+    - Tail-Replay dropped, in a step, an exact state stock still holds after it;
+    - stock resumed a request from an exact state that Tail-Replay held, exact, before the request,
+      and Tail-Replay did not resume from an exact state at least as deep."""
+    stock = Server(None, mamba_size=mamba_size)
+    tr = Server(dataclasses.replace(CONFIG, state_order=order), mamba_size=mamba_size)
+    history: list[list[int]] = []
+    violations = []
+    for step, (stem, cut, new, out, salt) in enumerate(script):
+        base = history[salt % len(history)] if stem is None and history else STEMS[stem or 0][:cut]
+        tokens = base + [50_000 + salt * 16 + i for i in range(new)]
+        output = [60_000 + salt * 4 + i for i in range(out)]
+        if len(tokens) + len(output) > 400:
+            continue
+        before = tr.states()
+        ours, theirs = tr.run(tokens, output), stock.run(tokens, output)
+        history.append(tokens + output)
+        held, after = stock.states(), tr.states()
+        for path, exact in before.items():
+            if exact and path not in after and path in held:
+                violations.append(f"step {step}: dropped the exact state at depth {len(path)} stock still holds")
+        plan = plan_of(ours)
+        if theirs.prefix_len and before.get(tuple(tokens[:theirs.prefix_len])) is True and not (
+                plan.kind is HitKind.EXACT_CHECKPOINT and plan.prefix_len >= theirs.prefix_len):
+            violations.append(f"step {step}: stock resumed exactly at {theirs.prefix_len}, "
+                              f"Tail-Replay {plan.kind.value} at {plan.prefix_len}")
+    return violations
+
+
+MODEL_SETTINGS = settings(max_examples=int(os.environ.get("TAIL_REPLAY_EXAMPLES", "40")), deadline=None,
+                          derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@MODEL_SETTINGS
+@given(script=st.lists(requests, min_size=4, max_size=24), mamba_size=st.integers(4, 6))
+def test_the_default_order_never_drops_an_exact_state_stock_still_holds(script, mamba_size):
+    assert served_pairs("auto", script, mamba_size) == []
+
+
+def _exact_goes_first(component, node) -> bool:
+    return not component._is_approximate(node)
+
+
+def test_the_model_catches_an_order_that_puts_exact_states_first():
+    """The property is not vacuous: a (wrong) order that frees exact states before approximate
+    ones drops exact states stock still holds, on a short script."""
+    script = [(0, 40, 4, 0, 1), (0, 20, 8, 0, 2), (1, 40, 4, 0, 3), (2, 40, 4, 0, 4), (1, 20, 8, 0, 5),
+              (2, 20, 8, 0, 6)]
+    orders = {**TailReplayMambaComponent._goes_first, "approximate_first": _exact_goes_first}
+    with mock.patch.object(TailReplayMambaComponent, "_goes_first", orders):
+        assert served_pairs("approximate_first", script, 4) != []
+    assert served_pairs("auto", script, 4) == []
+
+
+# ---------------------------------------------------------------- the order, exact ids
+
+
+@pytest.mark.parametrize(("exactness", "order"), [("exact_first", "approximate_first"), ("exact", "approximate_first"),
+                                                   ("approximate", "lru")])
+def test_auto_resolves_by_the_servers_exactness(exactness, order):
+    assert resolved_order(dataclasses.replace(CONFIG, exactness=exactness)) == order
+    assert resolved_order(dataclasses.replace(CONFIG, exactness=exactness, state_order="ends")) == "ends"
+    assert TailReplayConfig().state_order == "auto"
+
+
+@pytest.mark.parametrize("exactness", ["exact_first", "approximate"])
+def test_the_default_frees_the_approximate_state_before_the_least_recently_used_exact_one(exactness):
+    """Four state slots, the default order: A's exact state at 40 (slot 1, least recently used),
+    an approximate end state at 28 (a replay of A's first 20 tokens), B's and C's exact states.
+    D needs a slot: under "exact_first" the approximate state goes (A's next turn resumes exactly
+    from 40, as on stock); under "approximate" SGLang's LRU order frees A's state."""
+    tr = Server(dataclasses.replace(CONFIG, exactness=exactness), mamba_size=4)
+    a = STEMS[0]
+    tr.run(a)
+    replay = tr.run(a[:20] + list(range(7000, 7008)))
+    assert plan_of(replay).kind is HitKind.APPROXIMATE
+    tr.run(STEMS[1])
+
+    def held() -> dict[int, tuple[int, bool]]:   # state slot -> (depth, exact)
+        return {int(n.component_data[MAMBA].value.item()): (d, provenance_of(n) is None)
+                for n, d in tree_nodes(tr.cache) if n.component_data[MAMBA].value is not None}
+
+    assert held() == {1: (40, True), 2: (28, False), 3: (40, True)}
+    tr.run(STEMS[2])                       # the fourth slot: no eviction yet
+    tr.run(list(range(8000, 8040)))        # D takes the slot of the state that goes
+    taken = 2 if exactness == "exact_first" else 1
+    assert held() == {1: (40, True), 2: (28, False), 3: (40, True), 4: (40, True)} | {taken: (40, True)}
+    gone = tuple(a[:20] + list(range(7000, 7008))) if exactness == "exact_first" else tuple(a)
+    assert gone not in tr.states()
+    nxt = tr.run(a + [9000])
+    assert plan_of(nxt).kind is (HitKind.EXACT_CHECKPOINT if exactness == "exact_first" else HitKind.APPROXIMATE)
