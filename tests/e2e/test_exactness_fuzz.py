@@ -27,7 +27,7 @@ from eval.harness import start_servers, stop_servers
 
 SUITE_CONFIGS = ("tr-nobuf", "lkv-eb")
 SEEDS = {"tr-nobuf": [11], "lkv-eb": [12]}
-OPS = 16
+OPS = 32
 
 
 @pytest.fixture(scope="module")
