@@ -79,7 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     archs = sorted({CONFIGS[n].arch for n in names})
     models = {a: build_tiny_model(a, work / "models" / a, seed=0) for a in archs}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.split("\n")
     report: dict = {"started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+                    "modified_files": [line[3:] for line in dirty if line.strip()],
                     "ops_per_seed": args.ops, "concurrency": args.concurrency, "configs": {}, "noise": {}}
     report["tp2"] = None if args.skip_tp2 else try_tp2(models["qwen3-next"] if "qwen3-next" in models
                                                          else models[archs[0]], logs)

@@ -28,6 +28,10 @@ def markdown(report: dict) -> str:
              f"Commit {report['commit']}, {report['started_utc']} to {report.get('finished_utc', '?')} (UTC); "
              f"{report['ops_per_seed']} ops per seed, {report['concurrency']} side by side; command in "
              "`benchmarks/README.md` (section Exactness fuzzer). Every count below is from `report.json`.", "",
+             *([f"The servers ran the working tree, with {len(report['modified_files'])} tracked files modified "
+                "beyond the commit (listed in `report.json`, `modified_files`).", ""]
+               if report.get("modified_files") else []),
+             *([report["note"], ""] if report.get("note") else []),
              "## Tolerance (a server without cache against itself)", ""]
     for arch, n in report["noise"].items():
         lines.append(f"- {arch}: {n['prompts']} prompts x {n['new_tokens']} tokens, alone vs side by side: largest "
