@@ -120,7 +120,7 @@ requests = st.tuples(st.sampled_from([0, 1, 2, None]), st.integers(0, 40), st.in
                      st.integers(0, 3), st.integers(0, 2**16))
 
 
-def served_pairs(order: str, script, mamba_size: int) -> list[str]:
+def served_pairs(order: str, script, mamba_size: int, exactness: str = "exact_first") -> list[str]:
     """Serve `script` on stock and on Tail-Replay (state order `order`); the violations, one line
     each (empty: none after any request):
 
@@ -128,7 +128,7 @@ def served_pairs(order: str, script, mamba_size: int) -> list[str]:
     - stock resumed a request from an exact state that Tail-Replay held, exact, before the request,
       and Tail-Replay did not resume from an exact state at least as deep."""
     stock = Server(None, mamba_size=mamba_size)
-    tr = Server(dataclasses.replace(CONFIG, state_order=order), mamba_size=mamba_size)
+    tr = Server(dataclasses.replace(CONFIG, state_order=order, exactness=exactness), mamba_size=mamba_size)
     history: list[list[int]] = []
     violations = []
     for step, (stem, cut, new, out, salt) in enumerate(script):
@@ -157,9 +157,27 @@ MODEL_SETTINGS = settings(max_examples=int(os.environ.get("TAIL_REPLAY_EXAMPLES"
 
 
 @MODEL_SETTINGS
-@given(script=st.lists(requests, min_size=4, max_size=24), mamba_size=st.integers(4, 6))
-def test_the_default_order_never_drops_an_exact_state_stock_still_holds(script, mamba_size):
-    assert served_pairs("auto", script, mamba_size) == []
+@given(script=st.lists(requests, min_size=4, max_size=24), mamba_size=st.integers(4, 6),
+       exactness=st.sampled_from(["exact_first", "exact"]))
+def test_the_default_order_never_drops_an_exact_state_stock_still_holds(script, mamba_size, exactness):
+    assert served_pairs("auto", script, mamba_size, exactness) == []
+
+
+@pytest.mark.parametrize("order", ["auto", "lru", "ends", "approximate_first"])
+def test_no_order_gives_back_stocks_exact_state_where_tail_replay_replayed_approximately(order):
+    """Where the default replays approximately (no exact state on the path: stock misses and
+    computes the same position exactly), the next turn resumes from stock's exact state on stock
+    and from the approximate one here, whatever the order and with slots to spare: only a repair
+    (an exact recomputation) can give that state back."""
+    stock, tr = Server(None, mamba_size=8), Server(dataclasses.replace(CONFIG, state_order=order), mamba_size=8)
+    turn = STEMS[0][:20] + list(range(7000, 7008))
+    for tokens in (STEMS[0], turn):
+        stock.run(tokens)
+        tr.run(tokens)
+    assert tr.states()[tuple(turn)] is False and tuple(turn) in stock.states()
+    theirs, ours = stock.run(turn + [9000, 9001]), tr.run(turn + [9000, 9001])
+    assert theirs.prefix_len == len(turn)                                   # stock: its exact state
+    assert plan_of(ours).kind is HitKind.APPROXIMATE_CHECKPOINT and ours.prefix_len == len(turn)
 
 
 def _exact_goes_first(component, node) -> bool:
