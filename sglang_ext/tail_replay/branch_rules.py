@@ -54,11 +54,13 @@ class BranchPointTrack:
         prompt, as on stock.
 
         The matched path is walked here, once, and handed to the cache's planner
-        (`TailReplayRadixCache.matched_path`). May mutate: the cache's matched path."""
+        (`TailReplayRadixCache.matched_path`). May mutate: the cache's matched path, the stock
+        shadow's order (`StateEvictionOrder.shadow_match`)."""
         if params.req is not None and self.cache.request_record(params.req).config.repair_kind == "shared_state":
             return result._replace(mamba_branching_seqlen=None)   # the run keeps its end state only
         path = MatchedPath.walk(self.tree_core, result.last_device_node)   # a node here, not an id
         self.cache.remember_matched_path(path)
+        self.shadow_match(params, path.nodes)   # stock's match of the same key (`state_order`)
         depth, state_depth = result.device_prefix_len, 0
         for node in reversed(path.nodes):
             if node.component_data[self.component_type].value is not None:

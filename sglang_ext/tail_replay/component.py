@@ -21,7 +21,7 @@ from sglang_ext.tail_replay.tiers import HostTierComponent
 from sglang_ext.tail_replay.tree_provenance import ProvenanceOnInsert
 
 
-class TailReplayMambaComponent(ProvenanceOnInsert, HostTierComponent, StateEvictionOrder, BranchPointTrack,
+class TailReplayMambaComponent(StateEvictionOrder, ProvenanceOnInsert, HostTierComponent, BranchPointTrack,
                                MambaComponent):
     """Mamba component that never limits a match and stores states with their provenance."""
 

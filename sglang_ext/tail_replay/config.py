@@ -49,9 +49,11 @@ EXACTNESS = ("approximate", "exact_first", "exact", "exact_unless_pressed")
 #: `state_order`: which stored state goes first under state pressure: "lru" (SGLang's order),
 #: "ends" (a state its conversation has moved past first, then least recently used) or
 #: "approximate_first" (a state that does not count as exact first, then least recently used);
-#: "auto" (the default): "approximate_first" under `exactness` "exact_first" / "exact", "lru" under
-#: "approximate" (`StateEvictionOrder`)
-STATE_ORDERS = ("auto", "lru", "ends", "approximate_first")
+#: "stock_last" (first a state that does not count as exact, then an exact one stock SGLang would no
+#: longer hold, then stock's own in stock's LRU order); "auto" (the default): "stock_last" under
+#: `exactness` "exact_first" / "exact" / "exact_unless_pressed", "lru" under "approximate"
+#: (tail_replay/state_order.py)
+STATE_ORDERS = ("auto", "lru", "ends", "approximate_first", "stock_last")
 #: `repair_kind` of a repair run: a finished answer's sequence ("answer", `repair: true`) or a shared
 #: state's prefix ("shared_state", `repair_shared: true`)
 REPAIR_KINDS = ("answer", "shared_state")
@@ -135,8 +137,10 @@ class TailReplayConfig:
     #: then least recently used), keeping conversation ends and branch points, or
     #: "approximate_first" (first a state that does not count as exact, least recently used
     #: first; then least recently used), keeping the exact states stock SGLang would hold, or
-    #: "auto": "approximate_first" where the server's `exactness` is "exact_first" or "exact" (no
-    #: approximate or untracked state displaces an exact one), "lru" under "approximate"
+    #: "stock_last" (approximate and untracked states first, then exact states stock SGLang would
+    #: no longer hold, then stock's own in stock's order: none of Tail-Replay's own states displaces
+    #: an exact one stock holds), or "auto": "stock_last" unless the server's `exactness` is
+    #: "approximate" ("lru")
     #: (server setting only)
     state_order: str = "auto"
     #: "exact_unless_pressed": the load thresholds and tolerance (JSON object, server only; pressure.py)

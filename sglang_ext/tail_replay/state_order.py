@@ -3,15 +3,22 @@
 first is SGLang's LRU order, unless the config's `state_order` (or an eviction policy,
 `--radix-eviction-policy sae`) puts some first.
 
-The default (`state_order: "auto"`) under `exactness` "exact_first" / "exact" is
-"approximate_first": a state that does not count as exact (an approximate replay's, an untracked
-one's) goes before any exact one, so Tail-Replay's own states never displace the exact states stock
-SGLang holds for the same slots (tests/tail_replay/test_state_order.py checks this against stock
-SGLang's own cache over random request sequences). Under "approximate" it is SGLang's LRU order.
+The default (`state_order: "auto"`) under `exactness` "exact_first" / "exact" /
+"exact_unless_pressed" is "stock_last": Tail-Replay's own states never displace an exact state
+stock SGLang would still hold for the same slots. The component keeps a shadow of stock SGLang's
+state LRU (`StockStateShadow`: the positions stock's tree holds a state at, in stock's own order,
+driven by the same matches, inserts and evictions: stock's match touches the deepest state on its
+path, its insert makes a state the most recently used, each state eviction frees stock's least
+recently used one). Under state pressure go first, each least recently used first: (1) a state
+that does not count as exact (an approximate replay's, an untracked one's); (2) an exact state
+stock would no longer hold (its shadow let it go while Tail-Replay kept it); (3) only then an exact
+state stock holds, in stock's order. tests/tail_replay/test_state_order.py checks this against
+stock SGLang's own cache over random request sequences. Under "approximate": SGLang's LRU order.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -33,14 +40,82 @@ def continues_to_a_state(node: Any, component_type: Any) -> bool:
 
 def resolved_order(config: Any) -> str:
     """The state order a server config runs: `state_order`, with "auto" resolved by the server's
-    `exactness` ("lru" under "approximate", else "approximate_first")."""
+    `exactness` ("lru" under "approximate", else "stock_last")."""
     if config.state_order != "auto":
         return config.state_order
-    return "lru" if config.exactness == "approximate" else "approximate_first"
+    return "lru" if config.exactness == "approximate" else "stock_last"
+
+
+class StockStateShadow:
+    """Stock SGLang's state LRU over the same tree: the nodes at whose depth stock's tree would
+    hold a state (one Tail-Replay holds there, or a ghost: a node Tail-Replay freed the state of),
+    least recently used first. Nodes, not ids: a ghost may leave Tail-Replay's tree (KV eviction)
+    and still be stock's until stock's own LRU lets it go."""
+
+    def __init__(self) -> None:
+        self.lru: OrderedDict[int, Any] = OrderedDict()
+
+    def holds(self, node: Any) -> bool:
+        return node.id in self.lru
+
+    def touch(self, node: Any) -> None:
+        """Stock's insert of a state at `node`, or its match ending there: the most recently used.
+        May mutate: the shadow's order."""
+        self.lru[node.id] = node
+        self.lru.move_to_end(node.id)
+
+    def touch_deepest(self, nodes: list[Any]) -> None:
+        """Stock's match over a path (root first): it ends at, and touches, the deepest node stock
+        holds a state at. May mutate: the shadow's order."""
+        for node in reversed(nodes):
+            if node.id in self.lru:
+                self.lru.move_to_end(node.id)
+                return
+
+    def evict(self) -> None:
+        """Stock frees its least recently used state (one state eviction step). May mutate: the
+        shadow."""
+        if self.lru:
+            self.lru.popitem(last=False)
+
+    def in_order(self) -> list[Any]:
+        return list(self.lru.values())
 
 
 class StateEvictionOrder:
     """The Mamba component's device-state eviction (`self.config` is the server's config)."""
+
+    _stock_shadow: StockStateShadow | None = None
+
+    @property
+    def stock_shadow(self) -> StockStateShadow | None:
+        """The shadow of stock SGLang's state LRU, kept under the "stock_last" order only (not with
+        the session radix cache or HiCache, whose state walks stay SGLang's)."""
+        if resolved_order(self.config) != "stock_last" or self.tree_core.enable_session_radix_cache \
+                or self.tree_core.enable_hicache:
+            return None
+        if self._stock_shadow is None:
+            self._stock_shadow = StockStateShadow()
+        return self._stock_shadow
+
+    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+        """Stock's insert of the same state makes it its most recently used (not a background
+        run's: stock runs none). May mutate: the shadow, and what the next classes' inserts do."""
+        super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+        shadow = self.stock_shadow
+        record = self.cache.inserting_record()
+        if shadow is not None and params.mamba_value is not None and (record is None or not record.config.background):
+            shadow.touch(node)
+
+    def shadow_match(self, params: Any, nodes: list[Any]) -> None:
+        """Stock's match of the same key touches the deepest state it holds on the path (not a
+        background run's match). May mutate: the shadow's order."""
+        shadow = self.stock_shadow
+        if shadow is None:
+            return
+        if params.req is not None and self.cache.request_record(params.req).config.background:
+            return
+        shadow.touch_deepest(nodes)
 
     def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
         """State pressure frees states, never attention KV.
@@ -55,13 +130,16 @@ class StateEvictionOrder:
         takes it), one without is gone, as any device state SGLang frees.
 
         May mutate: this component's walk cursor, the victim's state value and LRU membership,
-        `tracker`, `device_frees`.
+        `tracker`, `device_frees`, the stock shadow (stock frees one state too).
         """
         if tracker[self.component_type] >= self._evict_device_request_cnt:
             return None
         victim = self._next_state_victim()
         if victim is None:
             return None
+        shadow = self.stock_shadow
+        if shadow is not None:
+            shadow.evict()
         self.tree_core._evict_component_and_detach_lru(
             victim, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
             host_frees=host_frees, cache_actions=cache_actions)
@@ -75,7 +153,12 @@ class StateEvictionOrder:
         patches/sae_state_eviction.py). May mutate: the walk cursor."""
         lru = self.tree_core.lru_lists[self.component_type]
         by_session = self.tree_core.enable_session_radix_cache
-        goes_first = self._goes_first.get(resolved_order(self.config))
+        order = resolved_order(self.config)
+        if order == "stock_last" and not by_session:
+            victim = self._stock_last_victim(lru)
+            if victim is not None:
+                return victim
+        goes_first = self._goes_first.get(order)
         if goes_first is not None and not by_session:
             victim = self._first_unlocked_state(lru, goes_first)
             if victim is not None:
@@ -88,6 +171,23 @@ class StateEvictionOrder:
         # step on now: freeing the victim unlinks it, the cursor (or its sentinel) stays put
         self._evict_device_cursor = lru.cursor_next() if by_session else lru.get_prev_no_lock(victim)
         return victim
+
+    def _stock_last_victim(self, lru: Any) -> Any:
+        """State order "stock_last": a state that does not count as exact, else an exact one the
+        stock shadow does not hold (each least recently used first), else the first unlocked
+        state in the shadow's (stock's) order; None: SGLang's order runs. Reads only."""
+        victim = self._first_unlocked_state(lru, StateEvictionOrder._is_approximate)
+        shadow = self.stock_shadow
+        if victim is not None or shadow is None:
+            return victim
+        victim = self._first_unlocked_state(lru, lambda self, node: not shadow.holds(node))
+        if victim is not None:
+            return victim
+        for node in shadow.in_order():
+            data = node.component_data[self.component_type]
+            if data.value is not None and data.lock_ref == 0 and lru.in_list(node):
+                return node
+        return None
 
     def _first_unlocked_state(self, lru: Any, goes_first: Callable[[Any, Any], bool]) -> Any:
         """The least recently used unlocked state whose node `goes_first(self, node)`, or None
@@ -107,9 +207,9 @@ class StateEvictionOrder:
         return continues_to_a_state(node, self.component_type)
 
     def _is_approximate(self, node: Any) -> bool:
-        """State order "approximate_first": the state does not count as exact (its bound above
-        the config's `threshold`), so exact states (the ones stock SGLang would hold and serve exact hits
-        from) outlive approximate ones."""
+        """State order "approximate_first" (and "stock_last"'s first class): the state does not
+        count as exact (its bound above the config's `threshold`), so exact states (the ones stock
+        SGLang would hold and serve exact hits from) outlive approximate ones."""
         prov = provenance_of(node)
         return prov is not None and not provenance.counts_exact(prov.state, self.config.threshold)
 

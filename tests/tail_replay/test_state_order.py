@@ -198,7 +198,7 @@ def test_the_model_catches_an_order_that_puts_exact_states_first():
 # ---------------------------------------------------------------- the order, exact ids
 
 
-@pytest.mark.parametrize(("exactness", "order"), [("exact_first", "approximate_first"), ("exact", "approximate_first"),
+@pytest.mark.parametrize(("exactness", "order"), [("exact_first", "stock_last"), ("exact", "stock_last"),
                                                    ("approximate", "lru")])
 def test_auto_resolves_by_the_servers_exactness(exactness, order):
     assert resolved_order(dataclasses.replace(CONFIG, exactness=exactness)) == order
@@ -232,3 +232,35 @@ def test_the_default_frees_the_approximate_state_before_the_least_recently_used_
     assert gone not in tr.states()
     nxt = tr.run(a + [9000])
     assert plan_of(nxt).kind is (HitKind.EXACT_CHECKPOINT if exactness == "exact_first" else HitKind.APPROXIMATE)
+
+
+@pytest.mark.parametrize("order", ["auto", "approximate_first", "lru"])
+def test_an_exact_state_stock_let_go_goes_before_one_stock_holds(order):
+    """Four slots. Stock frees the conversation's state at 40 (its least recently used) while
+    Tail-Replay frees an approximate one instead and keeps it. The next turn through 40 resumes
+    there on Tail-Replay and touches it; stock resumes from 20 and touches that. Under
+    "approximate_first" the state at 20 then ages here as if unused and goes at the next pressure
+    while stock still holds it, and the turn after, branching at 20, replays approximately where
+    stock resumes exactly. The default frees the state at 40 first (stock let it go) and keeps
+    stock's order for the rest."""
+    stock, tr = Server(None, mamba_size=4), Server(dataclasses.replace(CONFIG, state_order=order), mamba_size=4)
+    s0, s1, s2 = STEMS
+
+    def serve(tokens):
+        before = tr.states()
+        theirs, ours = stock.run(tokens), tr.run(tokens)
+        dropped = [len(p) for p, exact in before.items() if exact and p not in tr.states() and p in stock.states()]
+        return theirs, ours, dropped
+
+    for tokens in (s0[:20], s0[:40], s1[:40], s1[:20] + list(range(7100, 7108)), s0[:20] + list(range(7000, 7004))):
+        serve(tokens)
+    theirs, ours, _ = serve(s0[:40] + list(range(7200, 7204)))
+    # Tail-Replay kept the state at 40 (SGLang's LRU order frees it as stock does)
+    assert (theirs.prefix_len, ours.prefix_len) == (20, 20 if order == "lru" else 40)
+    _, _, dropped = serve(s2[:40])
+    theirs, ours, _ = serve(s0[:20] + list(range(7300, 7304)))
+    assert theirs.prefix_len == 20
+    if order == "approximate_first":
+        assert dropped == [20] and plan_of(ours).kind is HitKind.APPROXIMATE
+    else:
+        assert dropped == [] and plan_of(ours).kind is HitKind.EXACT_CHECKPOINT and ours.prefix_len == 20
