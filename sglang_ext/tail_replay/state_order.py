@@ -50,10 +50,13 @@ class StockStateShadow:
     """Stock SGLang's state LRU over the same tree: the nodes at whose depth stock's tree would
     hold a state (one Tail-Replay holds there, or a ghost: a node Tail-Replay freed the state of),
     least recently used first. Nodes, not ids: a ghost may leave Tail-Replay's tree (KV eviction)
-    and still be stock's until stock's own LRU lets it go."""
+    and still be stock's until stock's own LRU lets it go. At most `capacity` nodes (stock's tree
+    holds no more states than the pool has slots; KV pressure, which the shadow does not follow,
+    frees states without a state eviction step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int | None) -> None:
         self.lru: OrderedDict[int, Any] = OrderedDict()
+        self.capacity = capacity
 
     def holds(self, node: Any) -> bool:
         return node.id in self.lru
@@ -63,6 +66,8 @@ class StockStateShadow:
         May mutate: the shadow's order."""
         self.lru[node.id] = node
         self.lru.move_to_end(node.id)
+        while self.capacity is not None and len(self.lru) > self.capacity:
+            self.lru.popitem(last=False)
 
     def touch_deepest(self, nodes: list[Any]) -> None:
         """Stock's match over a path (root first): it ends at, and touches, the deepest node stock
@@ -95,7 +100,8 @@ class StateEvictionOrder:
                 or self.tree_core.enable_hicache:
             return None
         if self._stock_shadow is None:
-            self._stock_shadow = StockStateShadow()
+            allocator = self.cache.req_to_token_pool.mamba_allocator
+            self._stock_shadow = StockStateShadow(getattr(allocator, "size", None))
         return self._stock_shadow
 
     def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):

@@ -264,3 +264,22 @@ def test_an_exact_state_stock_let_go_goes_before_one_stock_holds(order):
         assert dropped == [20] and plan_of(ours).kind is HitKind.APPROXIMATE
     else:
         assert dropped == [] and plan_of(ours).kind is HitKind.EXACT_CHECKPOINT and ours.prefix_len == 20
+
+
+def test_the_shadow_holds_no_more_nodes_than_the_pool_has_slots():
+    """KV pressure frees states without a state eviction step (the shadow does not follow it):
+    the shadow still keeps at most as many nodes as stock's pool has slots, least recently used
+    going first."""
+    from types import SimpleNamespace
+
+    from sglang_ext.tail_replay.state_order import StockStateShadow
+
+    shadow = StockStateShadow(3)
+    nodes = [SimpleNamespace(id=i) for i in range(5)]
+    for node in nodes:
+        shadow.touch(node)
+    assert [n.id for n in shadow.in_order()] == [2, 3, 4]
+    shadow.touch_deepest([nodes[0], nodes[3], nodes[1]])     # the deepest node stock holds: 3
+    assert [n.id for n in shadow.in_order()] == [2, 4, 3]
+    shadow.evict()
+    assert [n.id for n in shadow.in_order()] == [4, 3]
