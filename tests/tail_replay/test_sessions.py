@@ -4,18 +4,26 @@ release sees its session's history, a closed session forgets it (issue 43, item 
 
 from __future__ import annotations
 
-import math
-from array import array
-from types import SimpleNamespace
+import os
 
-import pytest
-import torch
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
 
-from sglang_ext.tail_replay.config import TailReplayConfig
-from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
-from sglang_ext.tail_replay.provenance import TAINT, UNTRACKED, CarryBound
-from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest
-from sglang_ext.tail_replay.sessions import StreamingTurns
+from sglang_ext import patches  # noqa: E402
+
+patches.apply_patches("cpu")  # before any SGLang import (sessions.py imports SGLang's session module)
+
+import math  # noqa: E402
+from array import array  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
+from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
+from sglang_ext.tail_replay.provenance import TAINT, UNTRACKED, CarryBound  # noqa: E402
+from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest  # noqa: E402
+from sglang_ext.tail_replay.sessions import StreamingTurns  # noqa: E402
 
 
 class _Stock:
