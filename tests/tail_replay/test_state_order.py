@@ -124,7 +124,9 @@ def served_pairs(order: str, script, mamba_size: int, exactness: str = "exact_fi
     """Serve `script` on stock and on Tail-Replay (state order `order`); the violations, one line
     each (empty: none after any request):
 
-    - Tail-Replay dropped, in a step, an exact state stock still holds after it;
+    - Tail-Replay dropped, in a step, an exact state stock still holds after it (but one, in a
+      step whose request resumed deeper than stock: it holds the state it resumed from locked,
+      and when that is one stock let go and nothing else can be freed, one of stock's goes);
     - stock resumed a request from an exact state that Tail-Replay held, exact, before the request,
       and Tail-Replay did not resume from an exact state at least as deep."""
     stock = Server(None, mamba_size=mamba_size)
@@ -141,10 +143,13 @@ def served_pairs(order: str, script, mamba_size: int, exactness: str = "exact_fi
         ours, theirs = tr.run(tokens, output), stock.run(tokens, output)
         history.append(tokens + output)
         held, after = stock.states(), tr.states()
-        for path, exact in before.items():
-            if exact and path not in after and path in held:
-                violations.append(f"step {step}: dropped the exact state at depth {len(path)} stock still holds")
         plan = plan_of(ours)
+        dropped = [len(path) for path, exact in before.items() if exact and path not in after and path in held]
+        # the one trade allowed: the request resumed deeper than stock, from a state stock let go,
+        # which it holds locked while it runs; with nothing else to free, one of stock's goes
+        traded = plan.kind is HitKind.EXACT_CHECKPOINT and ours.prefix_len > theirs.prefix_len and len(dropped) == 1
+        if dropped and not traded:
+            violations.append(f"step {step}: dropped the exact states at depths {dropped} stock still holds")
         if theirs.prefix_len and before.get(tuple(tokens[:theirs.prefix_len])) is True and not (
                 plan.kind is HitKind.EXACT_CHECKPOINT and plan.prefix_len >= theirs.prefix_len):
             violations.append(f"step {step}: stock resumed exactly at {theirs.prefix_len}, "
