@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
                                          config.shape(), report["noise"][config.arch]["tolerance"], args.concurrency,
                                          deadline=time.monotonic() + share, restart=restart)
             except (RuntimeError, TimeoutError) as err:   # the configuration does not start
-                errors = [line for line in server.log_text().splitlines() if "Error" in line and ":" in line]
+                errors = [line for line in server.log_text().splitlines() if "error" in line.lower() and ":" in line
+                          and "Ignore import error" not in line]
                 result = {"seeds": [], "ops": 0, "requests": 0, "statuses": {}, "claims": {}, "wall_s": 0.0,
                           "violations": [], "did_not_start": errors[-1][:600] if errors else str(err)[:300]}
             seed = max(result["seeds"], default=seed - 1) + 1

@@ -71,8 +71,9 @@ CONFIGS = {c.name: c for c in (
                state_slots=24),
     FuzzConfig("lkv-nobuf", "nemotron-h", "linearkv"),
     FuzzConfig("lkv-eb", "qwen3-next", "linearkv", "extra_buffer", state_slots=28),
-    FuzzConfig("lkv-nobuf-hicache", "qwen3-next", "linearkv", hicache=True, kv_tokens=1024),
 )}
+#: (LinearKV with the host tier is refused at start-up: "--radix-cache-backend linearkv does not run
+#: with --enable-hierarchical-cache")
 
 
 def no_cache_server(model_path: str, log_path) -> ServerProcess:
