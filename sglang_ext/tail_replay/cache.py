@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import LRURefreshPhase
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
@@ -228,6 +229,8 @@ class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvP
     # kv_mode "recompute": the request's recomputed tail KV stays its own (own_tail.py); the
     # insert reads the request's record for the provenance of what it inserts
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+        if self._would_adopt_inexact_kv(req, up_to):
+            up_to = 0   # no insert while it runs (SGLang's empty insert): it keeps its own KV
         self._inserting, self._inserting_prompt, self._caching = record_of(req), len(req.origin_input_ids), True
         self._inserting_history = self.session_history(req)
         try:
@@ -238,6 +241,24 @@ class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvP
         finally:
             self._inserting, self._inserting_prompt, self._caching = None, None, False
             self._inserting_history, self._released_history = None, None
+
+    def _would_adopt_inexact_kv(self, req: Any, up_to: int) -> bool:
+        """Whether the insert of a running `exactness: "exact"` request (chunked prefill) over
+        [0, up_to) would hand it tree KV that is not strictly exact: SGLang's insert frees the
+        request's slots it finds in the tree already and rewrites the request's row to the tree's,
+        so the request reads the tree's KV from then on (its next chunks, its decode). Where the
+        tree's KV past what the request holds (`cache_protected_len`) is not strictly exact, the
+        strict request must not take it (fail closed: it keeps what it computed itself; it inserts
+        when it finishes). A finished request reads nothing more. Reads only."""
+        record = record_of(req)
+        if self.disable or record is None or not record.config.strict or req.finished():
+            return False
+        key = RadixKey(req.full_untruncated_fill_ids[:up_to], req.extra_key, is_bigram=self.tree_core.is_eagle,
+                       cache_salt=req.cache_salt)
+        matched, node_id, _ = self.tree_core.match_full_device_prefix(key)
+        if matched <= req.kv.cache_protected_len:
+            return False
+        return self.path_provenance(node_id).first_inexact < matched
 
     def insert(self, params):
         return own_tail.insert(self, params, super().insert)

@@ -792,3 +792,35 @@ def test_an_untracked_insert_never_relabels_an_approximate_node_on_overlap(dropp
     else:
         assert prov is None or prov.kv is None   # the request's exact KV took the node's place
     h.assert_no_leak()
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_a_running_exact_request_never_takes_the_trees_inexact_kv_at_a_chunk_boundary(page):
+    """Chunked prefill inserts a running request's KV; SGLang's insert frees the request's slots the
+    tree holds already and rewrites its row to the tree's. Over an approximate node that the
+    request cannot replace (another running request holds it; HiCache), an `exactness: "exact"`
+    request would read that approximate KV from then on (the fuzzer's tr-nobuf / tr-nobuf-hicache
+    violations: plans reading nothing inexact, answers off the no-cache server, a TAINT floor).
+    It keeps its own KV instead, inserts when it finishes, and stays strictly exact."""
+    h = Harness(page)
+    h.run(A)
+    x = seq(6000, 12)
+    approx = h.admit(A[:36] + x)                    # L = 36 -> approximate; [36, 48) approximate KV
+    assert plan_of(approx).kind is HitKind.APPROXIMATE
+    h.chunk_checkpoint(approx)                      # published while it runs: it holds the node
+    node = h.cache.tree_core.node_by_id(approx.last_node)
+    assert provenance_of(node).kv_max() == UNKNOWN and h.full_lock(approx.last_node) >= 1
+
+    tokens = A[:36] + x + seq(9000, 8)
+    req = h.admit(tokens, {"exactness": "exact"})
+    assert plan_of(req).matched_tokens <= 36        # the strict cut: it reads no approximate KV
+    assert record_of(req).floor == 0.0
+    own = h.pool.req_to_token[req.kv.req_pool_idx, 36:48].tolist()
+    assert set(own).isdisjoint(node.component_data[FULL].value.tolist())
+    h.chunk_checkpoint(req)
+    assert h.pool.req_to_token[req.kv.req_pool_idx, 36:48].tolist() == own   # its own KV there
+    assert record_of(req).floor == 0.0
+    h.assert_no_leak()
+    h.finish(req, output=[7])   # finished, it reads nothing more (its insert may share the node)
+    h.finish(approx)
+    h.assert_no_leak()
