@@ -23,7 +23,8 @@ those summaries across SGLang's IPC in both modes; after the audit's patch, so i
 first), `tail_replay_audit` (the live quality audit: the first output's
 logits of audited requests, their exact reference runs sent by the tokenizer process),
 `tail_replay_session` (a finished streaming-session turn's own recomputed tail is freed when its
-row goes to the session),
+row goes to the session), `tail_replay_pressure` (`exact_unless_pressed`: the first rank stamps each
+request with the pressure decision before SGLang broadcasts it to the other ranks),
 `linearkv_request` (LinearKV: chunks found and registered on arrival), `linearkv_prepass`
 (LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward),
 `linearkv_admission` (LinearKV: every admission round's state slots budgeted, loads included).

@@ -19,6 +19,7 @@ import pytest
 import requests
 
 from eval.harness import ServerProcess, start_servers, stop_servers
+from eval.replay.servers import flush_cache
 from tests.e2e.serving import metric_total, random_prompt
 
 CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16}   # keep_checkpoints: default
@@ -80,7 +81,7 @@ def test_state_pressure_keeps_the_attention_kv(servers):
     request donates its end state, so the state pool runs out and old states go; their documents'
     KV stays, and the first document, whose state is long gone, is still reused."""
     server = servers["tail_replay"]
-    requests.post(f"{server.url}/flush_cache", timeout=60).raise_for_status()
+    flush_cache(server.url)   # retried while SGLang still holds a just-finished request
     documents = [random_prompt(150, seed=100 + i) for i in range(KV_TOKENS // 160)]   # fit the KV pool
     assert len(documents) > STATE_SLOTS
     for doc in documents:
