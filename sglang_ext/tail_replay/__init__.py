@@ -112,14 +112,10 @@ from sglang_ext.tail_replay.config import (
     DEFAULTS,
     KV_MODES,
     REQUEST_PARAM_KEY,
-    RequestLimits,
     TailReplayConfig,
     TailReplayConfigError,
-    background_mark,
-    check_request,
     config_from_dict,
     parse_config,
-    request_overrides,
     server_config,
     user_settings,
     with_model_profile,
@@ -153,6 +149,7 @@ from sglang_ext.tail_replay.repair import (
     shared_repair_due,
 )
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attach, plan_of, record_of
+from sglang_ext.tail_replay.request_fields import RequestLimits, background_mark, check_request, request_overrides
 from sglang_ext.tail_replay.startup import (
     ServerFacts,
     StartupError,

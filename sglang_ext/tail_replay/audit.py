@@ -169,6 +169,6 @@ class AuditResult:
 
 def reference_overrides(rid: str) -> dict:
     """The config values of the reference run for the audited request `rid` (the server's mark on
-    it, `config.background_mark`, set out of band: no client can send them): exact reuse only, and
+    it, `request_fields.background_mark`, set out of band: no client can send them): exact reuse only, and
     no state stored (an audit takes no checkpoint slot from the traffic)."""
     return {"exactness": "exact", "keep_checkpoints": False, "audit_of": rid}

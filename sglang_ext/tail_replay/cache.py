@@ -34,11 +34,12 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang_ext.tail_replay import insert_provenance, own_tail
 from sglang_ext.tail_replay.branch_rules import SharedRepairRules
 from sglang_ext.tail_replay.component import TailReplayMambaComponent
-from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, request_overrides, server_config
+from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, server_config
 from sglang_ext.tail_replay.kv_past_state import KvPastTheState
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, exact_fallback, plan_replay, pressure_config, refused
 from sglang_ext.tail_replay.provenance import PathProvenance
 from sglang_ext.tail_replay.request import TailReplayRequest, attach, record_of
+from sglang_ext.tail_replay.request_fields import request_overrides
 from sglang_ext.tail_replay.sessions import StreamingTurns
 from sglang_ext.tail_replay.tiers import HostTierCache
 from sglang_ext.tail_replay.tree_provenance import MatchedPath, Planned, answer_from, plan_carry, provenance_of

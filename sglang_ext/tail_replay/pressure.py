@@ -23,7 +23,7 @@ The decision is taken once per request, when the scheduler of the replica's firs
 from the tokenizer, and written into the request out of band (`PRESSURE_PARAM_KEY` in its
 `custom_params`) before SGLang broadcasts the received requests to the other ranks
 (`patches/tail_replay_pressure.py`): every rank plans from the same stamp, never from its own
-clock or queue. A client sending that key gets a 400 (`config.check_request`). The decision is as
+clock or queue. A client sending that key gets a 400 (`request_fields.check_request`). The decision is as
 old as the request's arrival: a request that waits in the queue keeps it.
 """
 

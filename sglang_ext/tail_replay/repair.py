@@ -112,7 +112,7 @@ def repair_sequence(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> lis
 
 def repair_overrides(rid: str, kind: str = "answer") -> dict:
     """The config values of the repair run of `kind` for request `rid` (the server's mark on it,
-    `config.background_mark`, set out of band: no client can send them): exact reuse only; its end
+    `request_fields.background_mark`, set out of band: no client can send them): exact reuse only; its end
     state is kept as the server keeps states (with `keep_checkpoints: false` the tree holds none,
     and a repair makes only the KV exact: the next turn still replays)."""
     return {"exactness": "exact", "repair_of": rid, "repair_kind": kind, "repair": False, "repair_shared": False}

@@ -7,7 +7,7 @@ request. Pure: no SGLang import (the request is duck-typed), no torch import at 
 Life of a record (scheduler process):
 - created at the request's first prefix match (`tail_replay.cache`), with the request's config
   resolved once (server config + `custom_params["tail_replay"]`, and on the server's own background
-  runs its out-of-band mark: `config.request_overrides`); a re-match (after retraction)
+  runs its out-of-band mark: `request_fields.request_overrides`); a re-match (after retraction)
   keeps the record and its config, and replaces the plan and the tail's slots;
 - read by the forward (`patches/tail_replay_batch.py`: tail rows and slots, metrics at the first
   forward; the gate hooks add the tail's log-decay to `tail_decay`; the audit seam,

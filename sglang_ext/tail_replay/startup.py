@@ -20,8 +20,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_ext.tail_replay.config import AUTO, RequestLimits, TailReplayConfig, user_settings
+from sglang_ext.tail_replay.config import AUTO, TailReplayConfig, user_settings
 from sglang_ext.tail_replay.decay_profile import PROFILE_FILE, certified_window
+from sglang_ext.tail_replay.request_fields import RequestLimits
 
 logger = logging.getLogger(__name__)
 

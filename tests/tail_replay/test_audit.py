@@ -31,19 +31,16 @@ from sglang_ext.tail_replay.audit import (
 from sglang_ext.tail_replay.config import (
     BACKGROUND_PARAM_KEY,
     DEFAULTS,
-    RequestLimits,
     TailReplayConfig,
     TailReplayConfigError,
-    background_mark,
-    check_request,
     config_from_dict,
     parse_config,
-    request_overrides,
     user_settings,
     with_overrides,
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.request import attach
+from sglang_ext.tail_replay.request_fields import RequestLimits, background_mark, check_request, request_overrides
 
 
 def test_sampling_is_a_deterministic_share_of_request_ids():

@@ -40,15 +40,11 @@ from sglang_ext.tail_replay.cache import (  # noqa: E402
     answer_from,
     provenance_of,
 )
-from sglang_ext.tail_replay.config import (  # noqa: E402
-    BACKGROUND_PARAM_KEY,
-    REQUEST_PARAM_KEY,
-    TailReplayConfig,
-    background_mark,
-)
+from sglang_ext.tail_replay.config import BACKGROUND_PARAM_KEY, REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
 from sglang_ext.tail_replay.provenance import UNKNOWN  # noqa: E402
 from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
+from sglang_ext.tail_replay.request_fields import background_mark  # noqa: E402
 from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
 MAMBA = ComponentType.MAMBA

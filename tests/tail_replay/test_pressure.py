@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ext.patches import tail_replay_pressure as patch
-from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError, check_request, config_from_dict
+from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError, config_from_dict
 from sglang_ext.tail_replay.decay_profile import DecayProfile
 from sglang_ext.tail_replay.metrics import pressure_summary
 from sglang_ext.tail_replay.planner import HitKind, exact_fallback, plan_replay, pressure_config, refused
@@ -26,6 +26,7 @@ from sglang_ext.tail_replay.pressure import (
     stamp,
 )
 from sglang_ext.tail_replay.request import TailReplayRequest
+from sglang_ext.tail_replay.request_fields import check_request
 
 #: slowest head's p90 decay 0.9: a fresh replay of W tokens is certified to 0.9 ** W
 PROFILE = DecayProfile(source="test", slowest={10: 0.2, 50: 0.6, 90: 0.9}, heads=1)

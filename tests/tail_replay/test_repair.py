@@ -11,15 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ext.patches import tail_replay_audit
-from sglang_ext.tail_replay.config import (
-    BACKGROUND_PARAM_KEY,
-    DEFAULTS,
-    TailReplayConfigError,
-    background_mark,
-    check_request,
-    config_from_dict,
-    request_overrides,
-)
+from sglang_ext.tail_replay.config import BACKGROUND_PARAM_KEY, DEFAULTS, TailReplayConfigError, config_from_dict
 from sglang_ext.tail_replay.repair import (
     REPAIR_KEY,
     SHARED_REPAIR_KEY,
@@ -29,6 +21,7 @@ from sglang_ext.tail_replay.repair import (
     repair_sequence,
     shared_repair_due,
 )
+from sglang_ext.tail_replay.request_fields import background_mark, check_request, request_overrides
 
 ON = config_from_dict({"repair": True})
 

@@ -11,7 +11,8 @@ import pytest
 from sglang_ext import env
 from sglang_ext.tail_replay import config as config_module
 from sglang_ext.tail_replay import server_config
-from sglang_ext.tail_replay.config import RequestLimits, TailReplayConfig, TailReplayConfigError, request_overrides
+from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError
+from sglang_ext.tail_replay.request_fields import RequestLimits, request_overrides
 from sglang_ext.tail_replay.startup import ServerFacts, StartupError, check_scheduler_start, check_start, kv_cache_is_quantized, request_limits, summary_line
 
 BASE = TailReplayConfig()
