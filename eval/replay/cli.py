@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kv-cache-tester: mean gap between conversation starts (seeded Poisson)")
     p.add_argument("--tokens-per-block", type=int, default=None,
                    help="synthetic tokens per trace block (default: 16 for Mooncake, 1 for kv-cache-tester)")
+    p.add_argument("--real-tokens-per-token", type=float, default=None,
+                   help="real tokens one replayed token stands for, in --equal-bytes-gib's KV bytes and the modeled "
+                        "GPU TTFT (default: the trace's block size / --tokens-per-block, e.g. 64 for kv-cache-tester)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV pool of every server (tokens; default 262144; not with --equal-bytes-gib)")

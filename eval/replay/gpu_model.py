@@ -2,7 +2,8 @@
 and real model, on paper (no SGLang, no HTTP). docs/gpu_ttft_model.md states every assumption.
 
 Per request, with n its prompt tokens and c the tokens it reused (`cached_tokens`: SGLang's prefix
-length, so a Tail-Replay request's replayed tail is among the n - c tokens it computed):
+length, so a Tail-Replay request's replayed tail is among the n - c tokens it computed), both in the
+trace's real tokens (the replayed counts x the trace's real tokens per replayed token):
 
     FLOPs = 2 A (n - c) + 4 La Hq d (n(n+1) - c(c+1)) / 2
     bytes = min(P, A (n - c)) b + (n + (n - c)) kv + (1 + [c > 0]) state
@@ -89,14 +90,18 @@ def scheduler_cpu_ms(row: dict) -> tuple[float | None, str]:
 
 
 def modeled_ttfts(records: Sequence[dict], model: RealModel, device: Gpu, efficiency: float,
-                  cpu_extra_s: float) -> list[float]:
-    """Modeled TTFT (s) of each answered request."""
-    return [ideal_seconds(model, device, r["prompt_tokens"], r["cached_tokens"]) / efficiency + cpu_extra_s
+                  cpu_extra_s: float, token_scale: float = 1.0) -> list[float]:
+    """Modeled TTFT (s) of each answered request; `token_scale`: real tokens per replayed token (a
+    trace replayed at 1 token per 64-token block prices each request at 64x its replayed tokens)."""
+    if not token_scale > 0:
+        raise ValueError(f"real tokens per replayed token must be > 0, got {token_scale}")
+    return [ideal_seconds(model, device, round(r["prompt_tokens"] * token_scale),
+                          round(r["cached_tokens"] * token_scale)) / efficiency + cpu_extra_s
             for r in records if r["ok"]]
 
 
 def add_modeled_ttft(rows: list[dict], per_server: dict[str, Sequence[dict]], baseline: str | None,
-                     model_name: str, gpu_name: str) -> dict:
+                     model_name: str, gpu_name: str, token_scale: float = 1.0) -> dict:
     """Give every row `modeled_gpu_ttft_s` (mean / p50 / p95 and the CPU term) and return the
     model's description for report.json (mutates `rows` only)."""
     from eval.replay.report import percentile
@@ -108,13 +113,13 @@ def add_modeled_ttft(rows: list[dict], per_server: dict[str, Sequence[dict]], ba
         cpu, source = scheduler_cpu_ms(row)
         same_source = base_row is not None and source == base_source
         extra_ms = max(0.0, cpu - base_cpu) if cpu is not None and base_cpu is not None and same_source else 0.0
-        values = modeled_ttfts(per_server[row["server"]], model, device, cal.efficiency, extra_ms / 1e3)
+        values = modeled_ttfts(per_server[row["server"]], model, device, cal.efficiency, extra_ms / 1e3, token_scale)
         row["modeled_gpu_ttft_s"] = None if not values else {
             "mean": sum(values) / len(values), "p50": percentile(values, 50), "p95": percentile(values, 95),
             "cpu_beyond_baseline_ms": extra_ms,
             "cpu_source": source if same_source and cpu is not None else f"{source}; baseline {base_source}"}
     return {"gpu": device.name, "gpu_source": device.source, "model": model.name, "model_source": model.source,
-            "baseline": baseline, **cal.as_dict()}
+            "baseline": baseline, "real_tokens_per_replayed_token": token_scale, **cal.as_dict()}
 
 
 def modeled_lines(report: dict) -> list[str]:
@@ -125,7 +130,8 @@ def modeled_lines(report: dict) -> list[str]:
     residuals = ", ".join(f"{p['model']} {p['published_s']:.3f} s -> {p['modeled_s']:.3f} s ({100 * p['residual']:+.1f} %)"
                           for p in spec["points"])
     lines = [f"Modeled GPU TTFT (on paper, docs/gpu_ttft_model.md): {spec['model']} on {spec['gpu']}, efficiency "
-             f"{spec['efficiency']:.3f} fitted to published full prefills ({residuals}), plus scheduler CPU per "
+             f"{spec['efficiency']:.3f} fitted to published full prefills ({residuals}), each replayed token priced as "
+             f"{spec.get('real_tokens_per_replayed_token', 1):g} real tokens, plus scheduler CPU per "
              f"request beyond {spec['baseline'] or '-'}'s.", "",
              "| server | measured TTFT mean / p50 / p95 s | modeled GPU TTFT mean / p50 / p95 s | CPU beyond baseline ms |",
              "|---|---:|---:|---:|"]

@@ -125,9 +125,21 @@ def _common_args(args, split: Split | None = None) -> list[str]:
                                             "--max-mamba-cache-size", str(args.max_mamba_cache_size)]
 
 
-def _plan(args) -> tuple[list[ServerSpec], list[Split | None], int]:
+def token_scale(args, trace_info: dict) -> float:
+    """Real tokens each replayed token stands for: --real-tokens-per-token, else the trace's block
+    size over --tokens-per-block (64 for kv-cache-tester at 1 per block, 32 for Mooncake at 16)."""
+    given = getattr(args, "real_tokens_per_token", None)
+    if given is not None:
+        if not given > 0:
+            raise ReplayError(f"--real-tokens-per-token must be > 0, got {given}")
+        return float(given)
+    return trace_info["block_tokens"] / trace_info["tokens_per_block"]
+
+
+def _plan(args, scale: float = 1.0) -> tuple[list[ServerSpec], list[Split | None], int]:
     """The servers to replay, each with its split of the equal-bytes budget (None without one),
-    and the LRU bound's capacity in tokens (the whole budget as KV under --equal-bytes-gib)."""
+    and the LRU bound's capacity in tokens (the whole budget as KV under --equal-bytes-gib);
+    `scale`: real tokens per replayed token."""
     specs = parse_server_specs(args.servers)
     try:   # checked before any server starts: add_modeled_ttft prices the replay with them at the end
         real_model(args.gpu_model), gpu(args.gpu)
@@ -147,10 +159,10 @@ def _plan(args) -> tuple[list[ServerSpec], list[Split | None], int]:
         model = real_model(args.bytes_model)
         budget = int(args.equal_bytes_gib * GIB)
         planned = equal_bytes_specs(specs, shlex.split(args.server_args), model, budget, args.concurrency,
-                                    list(args.tail_replay_checkpoint_slots))
+                                    list(args.tail_replay_checkpoint_slots), scale)
     except ValueError as err:   # BudgetError, an unknown model
         raise ReplayError(f"--equal-bytes-gib: {err}") from None
-    return [s for s, _ in planned], [sp for _, sp in planned], budget // model.kv_bytes_per_token
+    return [s for s, _ in planned], [sp for _, sp in planned], int(budget // (model.kv_bytes_per_token * scale))
 
 
 def run(args) -> dict:
@@ -163,7 +175,10 @@ def run(args) -> dict:
             raise ReplayError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.skip_sessions < 0:
         raise ReplayError(f"--skip-sessions must be >= 0, got {args.skip_sessions}")
-    specs, splits, lru_capacity = _plan(args)
+    trace_info, scaled = load_trace(args)
+    scale = token_scale(args, trace_info)
+    trace_info["real_tokens_per_token"] = scale
+    specs, splits, lru_capacity = _plan(args, scale)
     if getattr(args, "profile", False):
         if args.workers > 1:
             raise ReplayError("--profile samples one server's scheduler; it does not combine with --workers > 1")
@@ -174,7 +189,6 @@ def run(args) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     start_load = sample_load(seconds=args.load_sample_s)
     require_quiet(start_load, args.allow_busy, args.max_other_cpu)
-    trace_info, scaled = load_trace(args)
     sequences = [r.tokens for r in scaled]
     refs = {"ideal": ideal_curve(sequences), "lru": lru_curve(sequences, lru_capacity)}
     model = resolve_model(args)
@@ -210,7 +224,7 @@ def run(args) -> dict:
         if args.reference is not None:
             row["same_output"] = same_outputs(per_server[row["server"]], per_server[args.reference])
     cpu_baseline = args.baseline or next((s.label for s in specs if s.kind == "stock"), None)
-    gpu_model = add_modeled_ttft(rows, per_server, cpu_baseline, args.gpu_model, args.gpu)
+    gpu_model = add_modeled_ttft(rows, per_server, cpu_baseline, args.gpu_model, args.gpu, scale)
     argv = getattr(args, "argv", None)
     command = "python -m eval.replay " + shlex.join(argv) if argv is not None else shlex.join(sys.argv)
     report = {"command": command, "trace": trace_info,

@@ -17,7 +17,7 @@ from eval.replay.cli import build_parser
 from eval.replay.inputs import ReplayError
 from eval.replay.real_models import MIB, MODELS, real_model
 from eval.replay.report import replay_title
-from eval.replay.runner import _common_args, _plan
+from eval.replay.runner import _common_args, _plan, token_scale
 from eval.replay.servers import parse_server_spec
 
 QWEN3_NEXT = MODELS["qwen3-next-80b-a3b"]
@@ -91,7 +91,28 @@ def test_equal_bytes_plan_gives_each_server_its_flags_and_sweeps_tail_replay():
     table = split_table([{"memory_split": s.as_dict(), "server_pools": [{"kv_tokens": 115026, "state_slots": 18,
                                                                         "max_running_requests": 4}]}
                          for s in splits])
-    assert "| tr@8ckpt | 18 | 115,026 | 1.367 | 2.633 | 2 |" in table and "| 115026 / 18 / 4 |" in table
+    assert "| tr@8ckpt | 18 | 115,026 | 1 | 1.367 | 2.633 | 2 |" in table and "| 115026 / 18 / 4 |" in table
+
+
+def test_a_replayed_token_is_priced_as_the_real_tokens_it_stands_for():
+    """At 1 synthetic token per 64-token block a fixture token's KV costs 64 real tokens' bytes, so a
+    state slot is worth 3,144 / 64 fixture tokens, not 3,144 (the real ratio of state to context)."""
+    args = _args("--equal-bytes-gib", "4", "--concurrency", "2", "--tail-replay-checkpoint-slots", "8",
+                 "--servers", "stock --mamba-radix-cache-strategy extra_buffer",
+                 "tr=tail_replay --mamba-radix-cache-strategy extra_buffer")
+    assert token_scale(args, {"block_tokens": 64, "tokens_per_block": 1}) == 64.0
+    assert token_scale(args, {"block_tokens": 512, "tokens_per_block": 16}) == 32.0
+    specs, splits, lru_capacity = _plan(args, 64.0)
+    assert [(s.state_slots, s.kv_tokens) for s in splits] == [(25, (BUDGET - 26 * SLOT) // (64 * KV)),
+                                                              (18, (BUDGET - 19 * SLOT) // (64 * KV))]
+    assert all(s.kv_bytes == s.kv_tokens * 64 * KV and s.token_scale == 64.0 for s in splits)
+    assert lru_capacity == BUDGET // (64 * KV)
+    assert splits[0].kv_bytes + splits[0].state_bytes <= BUDGET < splits[0].state_bytes + (splits[0].kv_tokens + 1) * 64 * KV
+    args.real_tokens_per_token = 1.0
+    assert token_scale(args, {"block_tokens": 64, "tokens_per_block": 1}) == 1.0
+    args.real_tokens_per_token = 0.0
+    with pytest.raises(ReplayError, match="--real-tokens-per-token must be > 0"):
+        token_scale(args, {"block_tokens": 64, "tokens_per_block": 1})
 
 
 def test_without_a_budget_every_server_gets_the_same_pools():

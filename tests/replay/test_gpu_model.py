@@ -36,6 +36,11 @@ def test_small_case_exact():
     assert prefill_flops(TOY, 10, 10) == prefill_flops(TOY, 10, 9)   # SGLang computes the last token
     records = [{"ok": True, "prompt_tokens": 10, "cached_tokens": 4}, {"ok": False, "prompt_tokens": 10, "cached_tokens": 0}]
     assert modeled_ttfts(records, TOY, TOY_GPU, 0.5, 0.25) == [pytest.approx(4.01200361152 / 0.5 + 0.25, rel=1e-12)]
+    # a replay at 1 token per 5-token block: the request is priced as 50 real tokens, 20 reused
+    assert modeled_ttfts(records, TOY, TOY_GPU, 0.5, 0.0, token_scale=5) == [
+        pytest.approx(ideal_seconds(TOY, TOY_GPU, 50, 20) / 0.5, rel=1e-12)]
+    with pytest.raises(ValueError, match="must be > 0"):
+        modeled_ttfts(records, TOY, TOY_GPU, 0.5, 0.0, token_scale=0)
 
 
 def test_calibration_against_the_published_full_prefills():
