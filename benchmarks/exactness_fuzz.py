@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
                 with servers_running([server]):
                     result = fuzz_server(server, references[config.arch], list(range(seed, seed + 10_000)), args.ops,
                                          config.shape(), report["noise"][config.arch]["tolerance"], args.concurrency,
-                                         deadline=time.monotonic() + share, restart=restart)
+                                         deadline=time.monotonic() + share, restart=restart,
+                                         all_exact=config.backend == "stock")
             except (RuntimeError, TimeoutError) as err:   # the configuration does not start
                 errors = [line for line in server.log_text().splitlines() if "error" in line.lower() and ":" in line
                           and "Ignore import error" not in line]

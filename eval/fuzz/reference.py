@@ -28,6 +28,15 @@ class NoCacheReference:
         out = resp.json()
         return list(out["output_ids"]), [x[0] for x in out["meta_info"]["output_token_logprobs"]]
 
+    def ask_batch(self, prompts: list[list[int]], new: int) -> list[tuple[list[int], list[float]]]:
+        """The same batch request as a client's (one /generate with a list of prompts)."""
+        payload = {"input_ids": [list(p) for p in prompts], "return_logprob": True,
+                   "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+        resp = requests.post(f"{self.url}/generate", json=payload, timeout=600)
+        resp.raise_for_status()
+        return [(list(item["output_ids"]), [x[0] for x in item["meta_info"]["output_token_logprobs"]])
+                for item in resp.json()]
+
     def __call__(self, ids: list[int], new: int) -> tuple[list[int], list[float]]:
         key = (tuple(ids), new)
         if key not in self.answers:

@@ -20,6 +20,7 @@ import requests
 
 from eval.fuzz.client import run_ops
 from eval.fuzz.oracles import (
+    batch_key,
     exactness_claim,
     exactness_targets,
     exactness_violations,
@@ -72,9 +73,30 @@ def flush(url: str, wait_s: float = 60.0) -> None:
         time.sleep(0.3)
 
 
-def check(observations: list[dict], reference: NoCacheReference, tolerance: float) -> list[dict]:
-    reference.prefetch([(o["ids"], len(o["output_ids"])) for o in exactness_targets(observations)])
-    return (exactness_violations(observations, reference, tolerance, recheck=reference.ask)
+def same_batch_answers(observations: list[dict], reference: NoCacheReference, all_exact: bool = False) -> dict:
+    """The server without cache's answers to every checked batch request, asked as the same batch
+    (`oracles.batch_key` -> answer); a batch whose parts did not all complete is left out."""
+    targets = {(o.get("round"), o["op"]) for o in exactness_targets(observations, all_exact) if o["kind"] == "batch"}
+    groups: dict[tuple, list[dict]] = {}
+    for o in observations:
+        if o["kind"] == "batch" and (o.get("round"), o["op"]) in targets:
+            groups.setdefault((o.get("round"), o["op"]), []).append(o)
+    out = {}
+    for parts in groups.values():
+        parts.sort(key=lambda o: o["part"])
+        if not all(o["status"] == 200 and o["completed"] for o in parts):
+            continue
+        for o, answer in zip(parts, reference.ask_batch([o["ids"] for o in parts], parts[0]["new"]), strict=True):
+            out[batch_key(o)] = answer
+    return out
+
+
+def check(observations: list[dict], reference: NoCacheReference, tolerance: float, all_exact: bool = False) -> list[dict]:
+    """Every oracle over one seed's observations; `all_exact`: the server is SGLang's own cache (the
+    control), whose every answer must equal the server without cache's."""
+    reference.prefetch([(o["ids"], len(o["output_ids"])) for o in exactness_targets(observations, all_exact)])
+    return (exactness_violations(observations, reference, tolerance, recheck=reference.ask,
+                                 same_batch=same_batch_answers(observations, reference, all_exact), all_exact=all_exact)
             + tenancy_violations(observations)
             + status_violations(observations))
 
@@ -93,20 +115,23 @@ def _signature(v: dict, ops_by_index: dict[int, dict]) -> tuple:
     return v["oracle"], v["kind"], "linearkv" in op
 
 
-def _replay(server, reference: NoCacheReference, tolerance: float, violation: dict) -> Callable[[list[dict]], bool]:
+def _replay(server, reference: NoCacheReference, tolerance: float, violation: dict,
+            all_exact: bool = False) -> Callable[[list[dict]], bool]:
     def reproduces(ops: list[dict]) -> bool:
         flush(server.url)
         observations = run_ops(server.url, [[op] for op in ops])
         return any(v["oracle"] == violation["oracle"] and v["op"] == violation["op"] and v["part"] == violation["part"]
-                   for v in check(observations, reference, tolerance))
+                   for v in check(observations, reference, tolerance, all_exact))
     return reproduces
 
 
 def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: int, shape: WorkloadShape,
                 tolerance: float, concurrency: int = 4, shrink_budget: int = 8, max_shrinks: int = 4,
-                deadline: float | None = None, restart: Callable[[], None] | None = None) -> dict:
+                deadline: float | None = None, restart: Callable[[], None] | None = None,
+                all_exact: bool = False) -> dict:
     """Returns {"seeds", "ops", "requests", "statuses", "claims", "violations", "wall_s"}; each
-    violation carries its seed and, where shrunk, its reproduction."""
+    violation carries its seed and, where shrunk, its reproduction. `all_exact`: the server is
+    SGLang's own cache (the control): every answer is checked against the server without cache."""
     t0 = time.monotonic()
     statuses: Counter = Counter()
     claims: Counter = Counter()
@@ -153,7 +178,7 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
         n_requests += len(observations)
         statuses.update(str(o["status"]) for o in observations)
         claims.update(str(exactness_claim(o["details"])) for o in observations if o["status"] == 200)
-        found = check(observations, reference, tolerance)
+        found = check(observations, reference, tolerance, all_exact)
         found += log_violations(server.log_text()[log_start:])
         for v in found:
             v["seed"] = v.get("seed", seed)
@@ -163,7 +188,7 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
                                      "note": "the server without cache's batched answer, not a cache's"}
             elif v["op"] is not None and sig not in shrunk and len(shrunk) < max_shrinks:
                 shrunk.add(sig)
-                result = shrink(workload.ops(), v["op"], _replay(server, reference, tolerance, v), shrink_budget)
+                result = shrink(workload.ops(), v["op"], _replay(server, reference, tolerance, v, all_exact), shrink_budget)
                 v["reproduction"] = {"seed": seed, "round": v["round"], **result}
             elif v["op"] is not None:
                 v["reproduction"] = {"seed": seed, "round": v["round"], "ops": [ops_by_index[v["op"]]],

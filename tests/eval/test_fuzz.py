@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from eval.fuzz.oracles import exactness_claim, exactness_violations, log_violations, tenancy_violations
+from eval.fuzz.oracles import batch_key, exactness_claim, exactness_violations, log_violations, tenancy_violations
 from eval.fuzz.shrink import shrink
 from eval.fuzz.workload import TENANTS, WorkloadShape, generate_workload, requests_in
 
@@ -38,7 +38,7 @@ def test_same_seed_same_workload_and_ops_are_valid():
 
 
 def _obs(op, ids, out, tenant=(None, None), cached=0, rnd=0, details=None, overrides=None, completed=True, **kw):
-    return {"op": op, "part": 0, "kind": "generate", "status": 200, "tenant": list(tenant), "ids": ids, "new": len(out),
+    return {"op": op, "part": 0, "kind": kw.pop("kind", "generate"), "status": 200, "tenant": list(tenant), "ids": ids, "new": len(out),
             "output_ids": out, "logprobs": [-1.0] * len(out), "cached_tokens": cached, "details": details or {},
             "tail_replay": overrides, "chunked": False, "completed": completed, "round": rnd, "error": None, **kw}
 
@@ -79,6 +79,25 @@ def test_exactness_oracle_checks_claims_and_exact_requests_against_the_reference
     assert [(v["op"], v["oracle"]) for v in found] == [(0, "exactness"), (1, "reference unstable")]
     assert exactness_claim({"tail_replay": {"exact": True, "kv_exact": False}}) is False
     assert exactness_claim({}) is None
+
+
+def test_a_batch_part_may_agree_with_the_same_batch_and_the_control_claims_every_answer():
+    def reference(ids, new):
+        return [5] * new, [-1.0] * new
+
+    claimed = {"tail_replay": {"exact": True}}
+    part = _obs(0, [1, 2], [5, 5], details=claimed, kind="batch")
+    part["logprobs"] = [-1.0, -1.0002]                     # off the reference asked alone
+    same = {batch_key(part): ([5, 5], [-1.0, -1.0002])}   # as the server without cache answers the batch
+    assert [v["op"] for v in exactness_violations([part], reference, 1e-4)] == [0]
+    assert exactness_violations([part], reference, 1e-4, same_batch=same) == []
+    assert [v["op"] for v in exactness_violations([part], reference, 1e-4,
+                                                  same_batch={batch_key(part): ([5, 5], [-1.0, -1.01])})] == [0]
+    # SGLang's own cache (no Tail-Replay block): checked only as the control (all_exact)
+    stock = _obs(1, [1, 3], [5, 6])
+    assert exactness_violations([stock], reference, 1e-4) == []
+    found = exactness_violations([stock], reference, 1e-4, all_exact=True)
+    assert [(v["op"], v["detail"]["claim"]) for v in found] == [(1, True)]
 
 
 def test_log_oracle_finds_tracebacks_and_leaks():
