@@ -74,7 +74,11 @@ def compare(row: dict, recs: list[dict], base_row: dict, base: list[dict]) -> di
     }
 
 
-def summarize(runs: list[Path], baseline: str) -> dict:
+def summarize(runs: list[Path], baseline: str, alias: dict[str, str] | None = None,
+              servers: list[str] | None = None) -> dict:
+    """`alias`: a run's label -> the label it is summed up under (e.g. a sweep's `tr@16ckpt` -> `tr`);
+    `servers`: only these labels (after aliasing), the baseline always."""
+    alias = alias or {}
     per_run: dict[str, dict[str, dict]] = {}
     for run in runs:
         report = json.loads((run / "report.json").read_text())
@@ -85,8 +89,9 @@ def summarize(runs: list[Path], baseline: str) -> dict:
         order = {r["server"]: i for i, r in enumerate(rows)}
         base_row = rows[order[baseline]]
         base = records(run, order[baseline], baseline)
-        per_run[str(run)] = {r["server"]: compare(r, records(run, order[r["server"]], r["server"]), base_row, base)
-                             for r in rows}
+        per_run[str(run)] = {alias.get(r["server"], r["server"]): compare(r, records(run, order[r["server"]], r["server"]),
+                                                                         base_row, base)
+                             for r in rows if servers is None or alias.get(r["server"], r["server"]) in {*servers, baseline}}
     servers = list(dict.fromkeys(s for run in per_run.values() for s in run))
     medians = {}
     for server in servers:
@@ -114,9 +119,15 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", type=Path, required=True, help="eval.replay output folders")
     p.add_argument("--baseline", required=True, help="the server label every run has")
+    p.add_argument("--alias", nargs="*", default=[], metavar="LABEL=NAME",
+                   help="sum a run's server LABEL up under NAME (e.g. a sweep's tr@16ckpt=tr)")
+    p.add_argument("--servers", nargs="*", default=None, help="only these servers (after --alias)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    summary = summarize(args.runs, args.baseline)
+    bad = [a for a in args.alias if "=" not in a]
+    if bad:
+        raise SystemExit(f"--alias {bad[0]!r}: write LABEL=NAME")
+    summary = summarize(args.runs, args.baseline, dict(a.split("=", 1) for a in args.alias), args.servers)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     (args.out / "summary.md").write_text(markdown(summary))

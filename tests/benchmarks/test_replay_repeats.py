@@ -46,6 +46,9 @@ def test_ratios_on_same_reuse_and_medians(tmp_path):
     assert median["runs"] == 3 and median["throughput_x"] == pytest.approx(0.5)
     assert median["ttft_p50_same_reuse_x"] == pytest.approx(2.0)
     assert summary["median"]["stock"]["kv_exact"] == 3
+    renamed = summarize(runs, "stock", alias={"tr": "tail-replay"}, servers=["tail-replay"])
+    assert set(renamed["median"]) == {"stock", "tail-replay"}
+    assert summarize(runs, "stock", servers=[])["median"].keys() == {"stock"}
 
 
 def test_a_missing_baseline_is_named(tmp_path):
