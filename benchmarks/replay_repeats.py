@@ -26,7 +26,8 @@ from eval.replay.report import percentile
 
 METRICS = ("throughput_rps", "throughput_x", "ttft_p50_same_reuse_s", "baseline_ttft_p50_same_reuse_s",
            "ttft_p50_same_reuse_x", "scheduler_cpu_ms", "scheduler_cpu_x", "reuse_of_ideal", "exact_hits_lost",
-           "kv_exact", "approximate", "pressed", "pressed_approximate", "same_output")
+           "kv_exact", "approximate", "pressed", "pressed_approximate", "same_output", "modeled_gpu_ttft_mean_s",
+           "modeled_gpu_ttft_mean_x")
 
 
 def records(run: Path, index: int, label: str) -> list[dict]:
@@ -44,6 +45,10 @@ def kv_exact(record: dict) -> bool:
     if detail is None:
         return True
     return bool(detail.get("kv_exact", detail.get("exact") and detail.get("bound") == 0))
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
 
 
 def compare(row: dict, recs: list[dict], base_row: dict, base: list[dict]) -> dict:
@@ -70,6 +75,9 @@ def compare(row: dict, recs: list[dict], base_row: dict, base: list[dict]) -> di
                                    for p, d in zip(pressure, details)),
         "same_output": row.get("same_output"),
         "modeled_gpu_ttft_s": row.get("modeled_gpu_ttft_s"),
+        "modeled_gpu_ttft_mean_s": (row.get("modeled_gpu_ttft_s") or {}).get("mean"),
+        "modeled_gpu_ttft_mean_x": _ratio((row.get("modeled_gpu_ttft_s") or {}).get("mean"),
+                                          (base_row.get("modeled_gpu_ttft_s") or {}).get("mean")),
         "memory_split": row.get("memory_split"),
     }
 
@@ -105,7 +113,8 @@ def summarize(runs: list[Path], baseline: str, alias: dict[str, str] | None = No
 
 def markdown(summary: dict) -> str:
     cols = ("runs", "throughput_x", "ttft_p50_same_reuse_x", "scheduler_cpu_x", "reuse_of_ideal", "exact_hits_lost",
-            "kv_exact", "approximate", "pressed", "pressed_approximate", "same_output")
+            "kv_exact", "approximate", "pressed", "pressed_approximate", "same_output", "modeled_gpu_ttft_mean_s",
+           "modeled_gpu_ttft_mean_x")
     lines = [f"# Repeated replays against {summary['baseline']} (medians over runs)", "",
              "Runs: " + ", ".join(summary["runs"]), "", "| server | " + " | ".join(cols) + " |",
              "|---|" + "---:|" * len(cols)]
