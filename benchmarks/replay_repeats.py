@@ -17,12 +17,11 @@ requests-*.jsonl(.gz); writes summary.json and summary.md.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import statistics
 from pathlib import Path
 
-from eval.replay.report import percentile
+from eval.replay.report import percentile, read_requests
 
 METRICS = ("throughput_rps", "throughput_x", "ttft_p50_same_reuse_s", "baseline_ttft_p50_same_reuse_s",
            "ttft_p50_same_reuse_x", "scheduler_cpu_ms", "scheduler_cpu_x", "reuse_of_ideal", "exact_hits_lost",
@@ -32,12 +31,10 @@ METRICS = ("throughput_rps", "throughput_x", "ttft_p50_same_reuse_s", "baseline_
 
 def records(run: Path, index: int, label: str) -> list[dict]:
     """The per-request records of the run's `index`-th server (`label`)."""
-    found = sorted(run.glob(f"requests-{index}-*.jsonl*"))
-    if len(found) != 1:
-        raise SystemExit(f"{run}: expected one per-request file of server {index} ({label}), found {found}")
-    opener = gzip.open if found[0].suffix == ".gz" else open
-    with opener(found[0], "rt") as handle:
-        return [json.loads(line) for line in handle]
+    try:
+        return read_requests(run, index)
+    except ValueError as err:
+        raise SystemExit(f"{err} ({label})") from None
 
 
 def kv_exact(record: dict) -> bool:

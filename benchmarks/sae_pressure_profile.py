@@ -15,11 +15,11 @@ import collections
 import gzip
 import json
 import re
-import statistics
 from pathlib import Path
 
-RATE = 250  # eval.replay.profile.RATE
-FORWARD = re.compile(r"forward_batch_generation \(")
+from eval.replay.profile import FORWARD, RATE, _function
+from eval.replay.report import percentile, read_requests
+
 SAE = re.compile(r"sglang_ext/eviction/|patches/sae_")
 WRAPPER = re.compile(r"^_wrap_\w*\.<locals>\.\w+ \(")   # a seam's wrapper itself: on every server
 SAE_ALL = "SAE, all its code (not the seams' wrappers)"
@@ -37,10 +37,6 @@ GROUPS = (  # inclusive: a stack counts once per group whose pattern one of its 
     ("SAE state order (state_eviction_order)", r"^state_eviction_order \("),
     ("SAE /metrics (publish_metrics)", r"^publish_metrics \("),
 )
-
-
-def function(frame: str) -> str:   # `name (file.py:123)` -> `name (file.py)`, as eval.replay.profile
-    return re.sub(r":\d+\)$", ")", frame)
 
 
 def stacks(path: Path):
@@ -69,20 +65,15 @@ def profile(path: Path) -> dict:
             ours = frames[-1:]   # self time in a wrapper
         if ours:
             groups[SAE_ALL] += n
-            sae_self[function(ours[-1])] += n
+            sae_self[_function(ours[-1])] += n
         if not inside:
-            leaf_outside[function(frames[-1])] += n
+            leaf_outside[_function(frames[-1])] += n
     return {"total": total, "forward": forward, "groups": groups, "sae_self": sae_self, "leaf": leaf_outside}
 
 
-def records(run: Path, index: int) -> list[dict]:
-    (found,) = sorted(run.glob(f"requests-{index}-*.jsonl*"))
-    with (gzip.open if found.suffix == ".gz" else open)(found, "rt") as handle:
-        return sorted((json.loads(line) for line in handle), key=lambda r: r["index"])
-
-
 def p50(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")   # = eval.replay.report.percentile(., 50)
+    value = percentile(values, 50)
+    return float("nan") if value is None else value
 
 
 def main() -> None:
@@ -100,7 +91,7 @@ def main() -> None:
     for i, row in enumerate(rows):
         (raw,) = sorted(args.run.glob(f"pyspy-{i}-*.txt*"))
         profiles[row["server"]] = profile(raw)
-        per_request[row["server"]] = records(args.run, i)
+        per_request[row["server"]] = read_requests(args.run, i)
     print(f"run: {args.run} ({report['command']})\n")
     print("| server | requests | reused of ideal | TTFT p50 s | wall s | scheduler CPU ms/request |")
     print("|---|---:|---:|---:|---:|---:|")

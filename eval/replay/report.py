@@ -9,6 +9,8 @@ A request record (one JSON line per request in `requests-<server>.jsonl`) has: `
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -18,6 +20,16 @@ from eval.replay.budget import GIB, split_table
 from eval.replay.gpu_model import modeled_lines
 from eval.replay.profile import profile_lines
 from eval.replay.router import prediction_line
+
+
+def read_requests(run: Path, index: int) -> list[dict]:
+    """The per-request records of a run folder's `index`-th server (`requests-<index>-*.jsonl`,
+    gzipped or not, as committed), in request order; ValueError unless exactly one file matches."""
+    found = sorted(Path(run).glob(f"requests-{index}-*.jsonl*"))
+    if len(found) != 1:
+        raise ValueError(f"{run}: expected one per-request file of server {index}, found {[f.name for f in found]}")
+    with (gzip.open if found[0].suffix == ".gz" else open)(found[0], "rt") as handle:
+        return sorted((json.loads(line) for line in handle), key=lambda r: r["index"])
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -19,7 +19,7 @@ def _run(folder: Path, wall: dict[str, float], cpu: dict[str, float], recs: dict
                      "process_cpu_ms_per_request": {"sglang::scheduler": cpu[label]},
                      "vs_baseline": {"exact_hits_lost": 0}})
         with gzip.open(folder / f"requests-{i}-{label}.jsonl.gz", "wt") as handle:
-            handle.writelines(json.dumps(r) + "\n" for r in rs)
+            handle.writelines(json.dumps({"index": j, **r}) + "\n" for j, r in enumerate(rs))
     (folder / "report.json").write_text(json.dumps({"servers": rows}))
     return folder
 
