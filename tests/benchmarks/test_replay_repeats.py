@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.replay_repeats import summarize
+from benchmarks.replay_repeats import main, summarize
 
 
 def _run(folder: Path, wall: dict[str, float], cpu: dict[str, float], recs: dict[str, list[dict]]) -> Path:
@@ -55,3 +55,9 @@ def test_a_missing_baseline_is_named(tmp_path):
     run = _run(tmp_path / "r", {"tr": 1.0}, {"tr": 1.0}, {"tr": [_rec(0, 0.1)]})
     with pytest.raises(SystemExit, match="no server labelled 'stock'"):
         summarize([run], "stock")
+
+
+def test_a_malformed_alias_is_named(tmp_path):
+    run = _run(tmp_path / "r", {"stock": 1.0}, {"stock": 1.0}, {"stock": [_rec(0, 0.1)]})
+    with pytest.raises(SystemExit, match="--alias 'tr': write LABEL=NAME"):
+        main(["--runs", str(run), "--baseline", "stock", "--alias", "tr", "--out", str(tmp_path / "out")])
