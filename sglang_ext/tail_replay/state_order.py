@@ -8,8 +8,12 @@ The default (`state_order: "auto"`) under `exactness` "exact_first" / "exact" /
 stock SGLang would still hold for the same slots. The component keeps a shadow of stock SGLang's
 state LRU (`StockStateShadow`: the positions stock's tree holds a state at, in stock's own order,
 driven by the same matches, inserts and evictions: stock's match touches the deepest state on its
-path, its insert makes a state the most recently used, each state eviction frees stock's least
-recently used one). Under state pressure go first, each least recently used first: (1) a state
+path; its insert of an exact state makes that state the most recently used (an approximate state is
+no state of stock's: where Tail-Replay replayed approximately, stock missed and kept its exact state
+at its branch point, which is where the shared-state repair puts the exact one, so a repair's insert
+counts as stock's); and an eviction walk frees as many of stock's least recently used states as stock
+would be short of slots, not as many as Tail-Replay is: the states Tail-Replay holds that stock
+would not take slots of its own). Under state pressure go first, each least recently used first: (1) a state
 that does not count as exact (an approximate replay's, an untracked one's); (2) an exact state
 stock would no longer hold (its shadow let it go while Tail-Replay kept it); (3) only then an exact
 state stock holds, in stock's order. tests/tail_replay/test_state_order.py checks this against
@@ -77,14 +81,24 @@ class StockStateShadow:
                 self.lru.move_to_end(node.id)
                 return
 
-    def evict(self) -> None:
-        """Stock frees its least recently used state (one state eviction step). May mutate: the
-        shadow."""
-        if self.lru:
+    def evict(self, count: int = 1) -> None:
+        """Stock frees its `count` least recently used states. May mutate: the shadow."""
+        for _ in range(min(count, len(self.lru))):
             self.lru.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self.lru)
 
     def in_order(self) -> list[Any]:
         return list(self.lru.values())
+
+
+def stock_shortfall(request_cnt: int, held: int, stock_held: int) -> int:
+    """How many states stock SGLang frees where Tail-Replay's eviction walk must free
+    `request_cnt`: both pools have the same slots and the same running requests, so stock's free
+    slots differ from Tail-Replay's by the states each tree holds (`held` in Tail-Replay's, on the
+    device; `stock_held` in the shadow)."""
+    return max(0, request_cnt - held + stock_held)
 
 
 class StateEvictionOrder:
@@ -105,13 +119,40 @@ class StateEvictionOrder:
         return self._stock_shadow
 
     def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
-        """Stock's insert of the same state makes it its most recently used (not a background
-        run's: stock runs none). May mutate: the shadow, and what the next classes' inserts do."""
+        """Stock's insert of the same state makes it its most recently used. May mutate: the shadow,
+        and what the next classes' inserts do."""
         super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
         shadow = self.stock_shadow
-        record = self.cache.inserting_record()
-        if shadow is not None and params.mamba_value is not None and (record is None or not record.config.background):
+        depth = result.prefix_len + (len(node.key) if is_new_leaf else 0)
+        if shadow is not None and params.mamba_value is not None and self._stock_inserts(node, depth):
             shadow.touch(node)
+
+    def _stock_inserts(self, node: Any, depth: int) -> bool:
+        """Whether stock SGLang's tree gets a state where the running insert stores one (at
+        `node`, `depth` deep): a request's own (stock computes the same request, exactly, and
+        keeps its state there), but for an approximate one whose request asked for the shared
+        state's repair at another depth (stock's miss kept its exact state at that branch point,
+        not here: the repair's insert puts it there); a repair run's (its exact state stands where
+        stock's kept one); not an audit's reference run's (stock runs none). Reads only."""
+        record = self.cache.inserting_record()
+        if record is None:
+            return True
+        if record.config.audit_of is not None:
+            return False
+        if record.config.repair_of is not None:
+            return True
+        return record.shared_repair in (None, depth) or not self._is_approximate(node)
+
+    def _evict_device_start(self, request_cnt: int) -> None:
+        """An eviction walk that must free `request_cnt` states: stock frees as many as it would be
+        short of (`stock_shortfall`), its least recently used, before Tail-Replay picks its victims
+        (which then go first if Tail-Replay still holds them). May mutate: the shadow."""
+        super()._evict_device_start(request_cnt)
+        shadow = self.stock_shadow
+        if shadow is not None:
+            ct = self.component_type
+            held = self.tree_core.component_evictable_size_[ct] + self.tree_core.component_protected_size_[ct]
+            shadow.evict(stock_shortfall(request_cnt, held, len(shadow)))
 
     def shadow_match(self, params: Any, nodes: list[Any]) -> None:
         """Stock's match of the same key touches the deepest state it holds on the path (not a
@@ -136,16 +177,13 @@ class StateEvictionOrder:
         takes it), one without is gone, as any device state SGLang frees.
 
         May mutate: this component's walk cursor, the victim's state value and LRU membership,
-        `tracker`, `device_frees`, the stock shadow (stock frees one state too).
+        `tracker`, `device_frees`.
         """
         if tracker[self.component_type] >= self._evict_device_request_cnt:
             return None
         victim = self._next_state_victim()
         if victim is None:
             return None
-        shadow = self.stock_shadow
-        if shadow is not None:
-            shadow.evict()
         self.tree_core._evict_component_and_detach_lru(
             victim, self, target=EvictLayer.DEVICE, tracker=tracker, device_frees=device_frees,
             host_frees=host_frees, cache_actions=cache_actions)

@@ -45,10 +45,12 @@ from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E40
 
 from sglang_ext.tail_replay import provenance  # noqa: E402
 from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache, provenance_of  # noqa: E402
-from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
+from sglang_ext.tail_replay.config import BACKGROUND_PARAM_KEY, REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind  # noqa: E402
-from sglang_ext.tail_replay.request import plan_of  # noqa: E402
-from sglang_ext.tail_replay.state_order import resolved_order  # noqa: E402
+from sglang_ext.tail_replay.repair import repair_overrides  # noqa: E402
+from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
+from sglang_ext.tail_replay.request_fields import background_mark  # noqa: E402
+from sglang_ext.tail_replay.state_order import StockStateShadow, resolved_order, stock_shortfall  # noqa: E402
 from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
@@ -76,12 +78,20 @@ class Server:
         self.kv_total, self.mamba_total = kv_size, mamba_size
         self.rid = 0
 
-    def run(self, tokens: list[int], output: list[int] = (), overrides: dict | None = None) -> Req:
+    def run(self, tokens: list[int], output: list[int] = (), overrides: dict | None = None,
+            background: dict | None = None, shared_repair: int | None = None) -> Req:
+        """Serve one request; `background`: the server's mark on its own background run
+        (`BACKGROUND_PARAM_KEY`); `shared_repair`: the depth of the shared-state repair the request
+        asked for at its match (as `_note_shared_repair` records it)."""
         self.rid += 1
-        custom = {REQUEST_PARAM_KEY: overrides} if overrides is not None else None
+        custom = {REQUEST_PARAM_KEY: overrides} if overrides is not None else {}
+        if background is not None:
+            custom[BACKGROUND_PARAM_KEY] = background
         req = Req(rid=f"r{self.rid}", origin_input_text="", origin_input_ids=array("q", tokens),
-                  sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom))
+                  sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom or None))
         req.init_next_round_input(self.cache)
+        if shared_repair is not None:
+            record_of(req).shared_repair = shared_repair
         req.lock = self.cache.lock(req.last_node)
         assert ensure_mamba_capacity(self.pool, [req], self.cache)   # the scheduler's state reclaim
         assert self.pool.alloc([req]) is not None
@@ -277,8 +287,6 @@ def test_the_shadow_holds_no_more_nodes_than_the_pool_has_slots():
     going first."""
     from types import SimpleNamespace
 
-    from sglang_ext.tail_replay.state_order import StockStateShadow
-
     shadow = StockStateShadow(3)
     nodes = [SimpleNamespace(id=i) for i in range(5)]
     for node in nodes:
@@ -288,3 +296,48 @@ def test_the_shadow_holds_no_more_nodes_than_the_pool_has_slots():
     assert [n.id for n in shadow.in_order()] == [2, 4, 3]
     shadow.evict()
     assert [n.id for n in shadow.in_order()] == [4, 3]
+    shadow.evict(5)
+    assert shadow.in_order() == [] and len(shadow) == 0
+
+
+@pytest.mark.parametrize(("request_cnt", "held", "stock_held", "stock_frees"), [
+    (1, 4, 4, 1),    # both trees hold the same states: stock is short as many slots
+    (1, 5, 4, 0),    # Tail-Replay holds a state stock does not (its approximate one): stock has a slot free
+    (3, 6, 4, 1),
+    (1, 3, 4, 2),    # stock still holds a state Tail-Replay let go: stock is short one more
+])
+def test_an_eviction_walk_frees_as_many_of_stocks_states_as_stock_is_short_of(request_cnt, held, stock_held,
+                                                                             stock_frees):
+    assert stock_shortfall(request_cnt, held, stock_held) == stock_frees
+
+
+def _shadow_depths(tr: Server) -> list[int]:
+    def depth(node) -> int:
+        total = 0
+        while node is not tr.cache.tree_core.root_node:
+            total, node = total + len(node.key), node.parent
+        return total
+
+    return sorted(depth(node) for node in tr.cache.components[MAMBA].stock_shadow.in_order())
+
+
+def test_a_shared_state_repair_holds_stocks_branch_state_in_the_shadow():
+    """Where the default replays approximately at a branch and asks for the shared state's repair
+    (the branch rule, under the extra buffer), stock's miss kept its exact state at the branch
+    point, not at the approximate request's end: the shadow counts the repair run's exact state as
+    stock's and the approximate one not. (Before, the repair's state was nobody's in the shadow and
+    went first under the next state pressure, while stock still held it: the agentic replay's lost
+    exact hits at 192.) A request that asked for nothing keeps its approximate state in the
+    shadow's count: stock computed a state at the same depth."""
+    tr = Server(CONFIG, mamba_size=8)
+    tr.run(STEMS[0])
+    branching = tr.run(STEMS[0][:20] + list(range(7000, 7008)), shared_repair=16)
+    assert plan_of(branching).kind is HitKind.APPROXIMATE
+    assert _shadow_depths(tr) == [40]
+    repair = tr.run(STEMS[0][:16], background=background_mark(repair_overrides("r2", "shared_state")))
+    assert plan_of(repair).state_is_exact
+    assert _shadow_depths(tr) == [16, 40]
+    other = tr.run(STEMS[1][:20] + list(range(7100, 7108)))   # no state on its path: a miss, exact
+    tr.run(STEMS[1][:20] + list(range(7200, 7208)))           # approximate, asked nothing
+    assert plan_of(other).kind is HitKind.MISS
+    assert _shadow_depths(tr) == [16, 28, 28, 40]
