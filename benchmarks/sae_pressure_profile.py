@@ -1,11 +1,13 @@
-"""Where a profiled replay's scheduler time goes, SAE against its baseline (issue 45 item 5).
+"""Where a profiled replay's scheduler time goes, SAE or Tail-Replay against its baseline (issue 45 items 5, 3).
 
     .venv/bin/python -m benchmarks.sae_pressure_profile docs/results/replay-sae-load --baseline lru
+    .venv/bin/python -m benchmarks.sae_pressure_profile docs/results/replay-leisure-profile --baseline stock
 
 Reads a `eval.replay --profile` run folder (no servers): report.json, pyspy-<i>-<server>.txt[.gz] and
 requests-<i>-<server>.jsonl[.gz]. Prints per server ms per request (250 Hz samples) of SGLang's tree work,
-the tree core that ran it (Python or Rust) and SAE's code (hooks, pre-walk sync, victims, state order);
-SAE's time by innermost function; the largest self-time differences outside the forward; and, request by
+the tree core that ran it (Python or Rust), SAE's code (hooks, pre-walk sync, victims, state order) and
+Tail-Replay's (all of it; the steps on a request's way to its first token: the prefill scheduling with its
+match, the prefill result with its insert); SAE's time by innermost function; the largest self-time differences outside the forward; and, request by
 request against the baseline, requests reusing more / fewer / the same tokens, TTFT p50 on the same."""
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from eval.replay.report import percentile, read_requests
 SAE = re.compile(r"sglang_ext/eviction/|patches/sae_")
 WRAPPER = re.compile(r"^_wrap_\w*\.<locals>\.\w+ \(")   # a seam's wrapper itself: on every server
 SAE_ALL = "SAE, all its code (not the seams' wrappers)"
+TAIL_REPLAY = re.compile(r"sglang_ext/tail_replay/|patches/tail_replay_")
+TR_ALL = "Tail-Replay, all its code (not the seams' wrappers)"
 GROUPS = (  # inclusive: a stack counts once per group whose pattern one of its frames matches
     ("match_prefix (all)", r"\.match_prefix \("),
     ("checkpoint_into_tree (insert)", r"UnifiedRadixCache\.checkpoint_into_tree \("),
@@ -36,6 +40,12 @@ GROUPS = (  # inclusive: a stack counts once per group whose pattern one of its 
     ("SAE eviction feedback (ServerSAE.evicted)", r"ServerSAE\.evicted \("),
     ("SAE state order (state_eviction_order)", r"^state_eviction_order \("),
     ("SAE /metrics (publish_metrics)", r"^publish_metrics \("),
+    (TR_ALL, None),
+    ("Tail-Replay's KV past the state (second insert)", r"_insert_kv_past_the_state \("),
+    ("before the first token: prefill scheduling (get_new_batch_prefill, with the match)",
+     r"\.get_new_batch_prefill \("),
+    ("before the first token: prefill result (process_batch_result_prefill, with its insert)",
+     r"\.process_batch_result_prefill \("),
 )
 
 
@@ -45,6 +55,12 @@ def stacks(path: Path):
         stack, _, count = line.rpartition(" ")
         if count.isdigit():
             yield stack.split(";"), int(count)
+
+
+def _own_frames(frames: list[str], wing: re.Pattern) -> list[str]:
+    """A stack's frames in a wing's code, not its seams' wrappers (a wrapper's own self time counts)."""
+    ours = [f for f in frames if wing.search(f) and not WRAPPER.search(f)]
+    return ours or (frames[-1:] if wing.search(frames[-1]) else [])
 
 
 def profile(path: Path) -> dict:
@@ -60,12 +76,12 @@ def profile(path: Path) -> dict:
         for name, pattern in patterns:
             if any(pattern.search(f) for f in frames):
                 groups[name] += n
-        ours = [f for f in frames if SAE.search(f) and not WRAPPER.search(f)]
-        if not ours and SAE.search(frames[-1]):
-            ours = frames[-1:]   # self time in a wrapper
+        ours = _own_frames(frames, SAE)
         if ours:
             groups[SAE_ALL] += n
             sae_self[_function(ours[-1])] += n
+        if _own_frames(frames, TAIL_REPLAY):
+            groups[TR_ALL] += n
         if not inside:
             leaf_outside[_function(frames[-1])] += n
     return {"total": total, "forward": forward, "groups": groups, "sae_self": sae_self, "leaf": leaf_outside}
