@@ -8,12 +8,13 @@ The default (`state_order: "auto"`) under `exactness` "exact_first" / "exact" /
 stock SGLang would still hold for the same slots. The component keeps a shadow of stock SGLang's
 state LRU (`StockStateShadow`: the positions stock's tree holds a state at, in stock's own order,
 driven by the same matches, inserts and evictions: stock's match touches the deepest state on its
-path; its insert of an exact state makes that state the most recently used (an approximate state is
-no state of stock's: where Tail-Replay replayed approximately, stock missed and kept its exact state
-at its branch point, which is where the shared-state repair puts the exact one, so a repair's insert
-counts as stock's); and an eviction walk frees as many of stock's least recently used states as stock
-would be short of slots, not as many as Tail-Replay is: the states Tail-Replay holds that stock
-would not take slots of its own). Under state pressure go first, each least recently used first: (1) a state
+path; its insert makes a state the most recently used where stock keeps one: a request's own state,
+but not the approximate one of a request that asked for the shared-state repair at another depth
+(where Tail-Replay replayed approximately at a branch, stock missed and kept its exact state at the
+branch point, which is where the repair puts the exact one, so a repair run's insert counts as
+stock's); and an eviction walk frees as many of stock's least recently used states as stock would
+be short of slots, not as many as Tail-Replay is: the states Tail-Replay holds beyond stock's take
+no slots of stock's). Under state pressure go first, each least recently used first: (1) a state
 that does not count as exact (an approximate replay's, an untracked one's); (2) an exact state
 stock would no longer hold (its shadow let it go while Tail-Replay kept it); (3) only then an exact
 state stock holds, in stock's order. tests/tail_replay/test_state_order.py checks this against
