@@ -89,11 +89,12 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
     #: to the chunk's node by `tie_transition` and dropped with its state
     transitions: ChunkTransitions | None = None
 
-    def _branch_repair_depth(self, record: Any, planned: Any, prompt_len: int) -> int | None:
-        """Tail-Replay's shared-state repair at the branch is not used here: a LinearKV tree's
-        branches are chunk registrations and their continuations, not prompts that share a
-        prefix, and its background runs would compete with the chunk traffic for state slots
-        (the lazy rule below a shared approximate state still runs). Reads nothing."""
+    def _branch_depth(self, record: Any, planned: Any, prompt_len: int) -> int | None:
+        """Tail-Replay's branch rule is not used here (no shared-state repair at the branch, no
+        branch point for the stock shadow): a LinearKV tree's branches are chunk registrations and
+        their continuations, not prompts that share a prefix, and its background runs would
+        compete with the chunk traffic for state slots (the lazy rule below a shared approximate
+        state still runs). Reads nothing."""
         return None
 
     def reset(self) -> None:

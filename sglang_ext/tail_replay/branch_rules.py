@@ -110,7 +110,7 @@ class SharedRepairRules:
         - at the branch (`branch_repair_due`): under the extra buffer (stock SGLang keeps a state
           where a request branches off the tree), a request whose plan is approximate and whose
           match ends where the tree goes on and its prompt goes on differently asks for the exact
-          state at the checkpoint-grid depth below its match (`_branch_repair_depth`), where stock
+          state at the checkpoint-grid depth below its match (`_branch_depth`), where stock
           SGLang's miss would have kept it, so that the next conversation that branches there
           resumes exactly, as on stock.
         - below a shared approximate state (`shared_repair_due`): when the matched path's deepest
@@ -122,12 +122,19 @@ class SharedRepairRules:
         Once an exact state sits as deep as a repair's would land, nothing is asked. Once per
         node: the node the state lands on is marked when asked, and asked again only after
         `SHARED_REPAIR_RESEND_S` (if the repair never landed); a state stored on the node clears
-        the mark (`commit_insert_component_data`). May mutate: the record's `shared_repair`, a
-        node's mark, the tree's node boundaries (the node at the branch rule's depth is split
-        off, so that the mark sits where the state will land)."""
+        the mark (`commit_insert_component_data`). The branch point, where stock's miss keeps its
+        state, is kept on the record whether or not a repair is asked (`stock_branch_depth`). May
+        mutate: the record's `shared_repair` and `stock_branch_depth`, a node's mark, the tree's
+        node boundaries (the node at the branch rule's depth is split off, so that the mark sits
+        where the state will land)."""
+        branch = self._branch_depth(record, planned, prompt_len)
+        if branch is not None:
+            record.stock_branch_depth = branch
         if record.shared_repair is not None:
             return
-        depth = self._branch_repair_depth(record, planned, prompt_len)
+        due = branch is not None and branch_repair_due(record.config, approximate=True, branches_here=True,
+                                                       keeps_branch_states=True)
+        depth = branch if due else None
         if depth is not None:
             node = self.tree_core.node_by_id(self._node_at_depth(planned.path, depth))
         else:
@@ -160,10 +167,12 @@ class SharedRepairRules:
         exact = prov.deepest_exact_state(record.config.exact_threshold, strict=False)
         return exact is not None and exact.depth >= depth
 
-    def _branch_repair_depth(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> int | None:
-        """The branch rule of `_note_shared_repair`: the depth of the exact state to ask for (the
-        match's end on the checkpoint grid), or None. Only where the repair run keeps a state
-        there (the extra buffer, on a server that keeps checkpoints). The tree branches at the
+    def _branch_depth(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> int | None:
+        """The branch rule of `_note_shared_repair`: the depth of the exact state stock's miss keeps
+        at this request's branch point and a repair would ask for (the match's end on the
+        checkpoint grid), or None (the config's `repair_shared` decides the ask, not this). Only
+        where the repair run keeps a state there (the extra buffer, on a server that keeps
+        checkpoints). The tree branches at the
         match's end when the matched path goes on past it (SGLang's match splits the node it ends
         in, so the last matched node has children) and so does the request's prompt (its match did
         not stop at the end of what SGLang matches: the prompt but its last token, in whole
@@ -177,8 +186,7 @@ class SharedRepairRules:
         branches_here = (approximate and 0 < matched < (prompt_len - 1) // self.page_size * self.page_size
                          and continues_a_prompt(self.tree_core.node_by_id(planned.last_node)))
         keeps = self.enable_mamba_extra_buffer and self.tail_replay_config.keep_checkpoints
-        if not branch_repair_due(record.config, approximate=approximate, branches_here=branches_here,
-                                 keeps_branch_states=keeps):
+        if not (approximate and branches_here and keeps):
             return None
         grid = self._repair_grid()
         depth = matched // grid * grid

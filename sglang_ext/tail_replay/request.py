@@ -94,6 +94,11 @@ class TailReplayRequest:
     #: shared-state repair (tail_replay/repair.py): the prefix length whose exact state this
     #: request asks for (set at a match, at most once; sent with its first output, then None)
     shared_repair: int | None = None
+    #: where stock SGLang's miss of this request keeps its state instead of at the request's own
+    #: end: its branch point, under the extra buffer, when this request's approximate plan branches
+    #: off the tree there (`SharedRepairRules._note_shared_repair`; read by the state order's stock
+    #: shadow at the request's inserts, `StateEvictionOrder._stock_inserts`). Set at a match, kept.
+    stock_branch_depth: int | None = None
     #: HiCache: the plan's prefix reaches into KV held on the host tier, which SGLang's load-back
     #: brings to the device at admission (`TailReplayRadixCache.init_load_back`); set at every match
     host_load: HostLoad | None = None

@@ -9,10 +9,10 @@ stock SGLang would still hold for the same slots. The component keeps a shadow o
 state LRU (`StockStateShadow`: the positions stock's tree holds a state at, in stock's own order,
 driven by the same matches, inserts and evictions: stock's match touches the deepest state on its
 path; its insert makes a state the most recently used where stock keeps one: a request's own state,
-but not the approximate one of a request that asked for the shared-state repair at another depth
-(where Tail-Replay replayed approximately at a branch, stock missed and kept its exact state at the
-branch point, which is where the repair puts the exact one, so a repair run's insert counts as
-stock's); and an eviction walk frees as many of stock's least recently used states as stock would
+but not the approximate one of a request that branched off the tree at another depth (where
+Tail-Replay replayed approximately at a branch, stock missed and kept its exact state at the branch
+point, which is where the shared-state repair puts the exact one, so a repair run's insert counts
+as stock's); and an eviction walk frees as many of stock's least recently used states as stock would
 be short of slots, not as many as Tail-Replay is: the states Tail-Replay holds beyond stock's take
 no slots of stock's). Under state pressure go first, each least recently used first: (1) a state
 that does not count as exact (an approximate replay's, an untracked one's); (2) an exact state
@@ -131,10 +131,11 @@ class StateEvictionOrder:
     def _stock_inserts(self, node: Any, depth: int) -> bool:
         """Whether stock SGLang's tree gets a state where the running insert stores one (at
         `node`, `depth` deep): a request's own (stock computes the same request, exactly, and
-        keeps its state there), but for an approximate one whose request asked for the shared
-        state's repair at another depth (stock's miss kept its exact state at that branch point,
-        not here: the repair's insert puts it there); a repair run's (its exact state stands where
-        stock's kept one); not an audit's reference run's (stock runs none). Reads only."""
+        keeps its state there), but for an approximate one whose request branched off the tree at
+        another depth (`stock_branch_depth`: stock's miss kept its exact state at that branch
+        point, not here; the shared-state repair's insert puts it there); a repair run's (its exact
+        state stands where stock's kept one); not an audit's reference run's (stock runs none).
+        Reads only."""
         record = self.cache.inserting_record()
         if record is None:
             return True
@@ -142,7 +143,7 @@ class StateEvictionOrder:
             return False
         if record.config.repair_of is not None:
             return True
-        return record.shared_repair in (None, depth) or not self._is_approximate(node)
+        return record.stock_branch_depth in (None, depth) or not self._is_approximate(node)
 
     def _evict_device_start(self, request_cnt: int) -> None:
         """An eviction walk that must free `request_cnt` states: stock frees as many as it would be

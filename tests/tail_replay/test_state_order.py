@@ -79,10 +79,11 @@ class Server:
         self.rid = 0
 
     def run(self, tokens: list[int], output: list[int] = (), overrides: dict | None = None,
-            background: dict | None = None, shared_repair: int | None = None) -> Req:
+            background: dict | None = None, branch: int | None = None) -> Req:
         """Serve one request; `background`: the server's mark on its own background run
-        (`BACKGROUND_PARAM_KEY`); `shared_repair`: the depth of the shared-state repair the request
-        asked for at its match (as `_note_shared_repair` records it)."""
+        (`BACKGROUND_PARAM_KEY`); `branch`: the branch point the request's match found (as
+        `_note_shared_repair` records it under the extra buffer, which this kit does not run; its
+        repair ask has left with the first output by the time the request inserts)."""
         self.rid += 1
         custom = {REQUEST_PARAM_KEY: overrides} if overrides is not None else {}
         if background is not None:
@@ -90,8 +91,8 @@ class Server:
         req = Req(rid=f"r{self.rid}", origin_input_text="", origin_input_ids=array("q", tokens),
                   sampling_params=SamplingParams(temperature=0, max_new_tokens=8, custom_params=custom or None))
         req.init_next_round_input(self.cache)
-        if shared_repair is not None:
-            record_of(req).shared_repair = shared_repair
+        if branch is not None:
+            record_of(req).stock_branch_depth = branch
         req.lock = self.cache.lock(req.last_node)
         assert ensure_mamba_capacity(self.pool, [req], self.cache)   # the scheduler's state reclaim
         assert self.pool.alloc([req]) is not None
@@ -322,22 +323,22 @@ def _shadow_depths(tr: Server) -> list[int]:
 
 
 def test_a_shared_state_repair_holds_stocks_branch_state_in_the_shadow():
-    """Where the default replays approximately at a branch and asks for the shared state's repair
-    (the branch rule, under the extra buffer), stock's miss kept its exact state at the branch
-    point, not at the approximate request's end: the shadow counts the repair run's exact state as
-    stock's and the approximate one not. (Before, the repair's state was nobody's in the shadow and
-    went first under the next state pressure, while stock still held it: the agentic replay's lost
-    exact hits at 192.) A request that asked for nothing keeps its approximate state in the
+    """Where the default replays approximately at a branch (the branch rule, under the extra
+    buffer), stock's miss kept its exact state at the branch point, not at the approximate
+    request's end: the shadow counts the shared-state repair run's exact state there as stock's
+    and the approximate one not. (Before, the repair's state was nobody's in the shadow and went
+    first under the next state pressure, while stock still held it: the agentic replay's lost
+    exact hits at 192.) A request that branched nowhere keeps its approximate state in the
     shadow's count: stock computed a state at the same depth."""
     tr = Server(CONFIG, mamba_size=8)
     tr.run(STEMS[0])
-    branching = tr.run(STEMS[0][:20] + list(range(7000, 7008)), shared_repair=16)
-    assert plan_of(branching).kind is HitKind.APPROXIMATE
+    branching = tr.run(STEMS[0][:20] + list(range(7000, 7008)), branch=16)
+    assert plan_of(branching).kind is HitKind.APPROXIMATE and record_of(branching).shared_repair is None
     assert _shadow_depths(tr) == [40]
     repair = tr.run(STEMS[0][:16], background=background_mark(repair_overrides("r2", "shared_state")))
     assert plan_of(repair).state_is_exact
     assert _shadow_depths(tr) == [16, 40]
     other = tr.run(STEMS[1][:20] + list(range(7100, 7108)))   # no state on its path: a miss, exact
-    tr.run(STEMS[1][:20] + list(range(7200, 7208)))           # approximate, asked nothing
+    tr.run(STEMS[1][:20] + list(range(7200, 7208)))           # approximate, branched nowhere
     assert plan_of(other).kind is HitKind.MISS
     assert _shadow_depths(tr) == [16, 28, 28, 40]
