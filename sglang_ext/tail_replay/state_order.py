@@ -152,8 +152,8 @@ class StateEvictionOrder:
         super()._evict_device_start(request_cnt)
         shadow = self.stock_shadow
         if shadow is not None:
-            ct = self.component_type
-            held = self.tree_core.component_evictable_size_[ct] + self.tree_core.component_protected_size_[ct]
+            core, ct = self.tree_core, self.component_type
+            held = core.component_evictable_size(ct) + core.component_protected_size(ct)
             shadow.evict(stock_shortfall(request_cnt, held, len(shadow)))
 
     def shadow_match(self, params: Any, nodes: list[Any]) -> None:
