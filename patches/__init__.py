@@ -27,7 +27,9 @@ row goes to the session), `tail_replay_pressure` (`exact_unless_pressed`: the fi
 request with the pressure decision before SGLang broadcasts it to the other ranks),
 `linearkv_request` (LinearKV: chunks found and registered on arrival), `linearkv_prepass`
 (LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward),
-`linearkv_admission` (LinearKV: every admission round's state slots budgeted, loads included).
+`linearkv_admission` (LinearKV: every admission round's state slots budgeted, loads included),
+`session_tenancy` (a session belongs to its first turn's cache namespace; a turn from another
+is refused, on every backend).
 One fix to SGLang itself rides with them, because it hits GPUs too: `mamba_conv_dtype` (the linear
 layers' conv-window state in the model's dtype, not a fixed bfloat16, which the `extra_buffer`
 strategy's tracking copy requires).
@@ -69,7 +71,7 @@ CPU_PATCHES: tuple[str, ...] = (
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
                                 "tail_replay_gdn_bound", "tail_replay_mamba2_bound", "tail_replay_meta",
                                 "tail_replay_audit", "ipc_json", "tail_replay_request", "tail_replay_pressure", "tail_replay_session",
-                                "tail_replay_sizing", "tail_replay_pages", "tail_replay_host_pools",
+                                "session_tenancy", "tail_replay_sizing", "tail_replay_pages", "tail_replay_host_pools",
                                 "request_token_ids", "linearkv_request", "linearkv_prepass", "linearkv_admission",
                                 "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat",
                                 "mamba_conv_dtype")

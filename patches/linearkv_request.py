@@ -122,6 +122,26 @@ def _refuse_internal(value: Any, where: str = "") -> None:
         raise ValueError(f"custom_params.linearkv.{internal[0]} is internal to the server{where}")
 
 
+def requested_exactness(custom_params: Any) -> str:
+    """The `exactness` a request runs with: its `custom_params.tail_replay` over the server's
+    `--tail-replay-config` (`sglang_ext.tail_replay.check_request`; a bad field is a ValueError
+    naming it, HTTP 400). Whether "exact_unless_pressed" runs strict is decided in the scheduler."""
+    from sglang_ext.tail_replay import check_request, server_config
+
+    return check_request(server_config(), custom_params).exactness
+
+
+def _set_linearkv_field(obj: Any, value: dict | None) -> None:
+    """Write the request's `custom_params.linearkv` (None: drop it). May mutate: obj's sampling params."""
+    params = dict(obj.sampling_params or {})
+    custom = dict(params.get("custom_params") or {})
+    custom.pop("linearkv", None)
+    if value is not None:
+        custom["linearkv"] = value
+    params["custom_params"] = custom
+    obj.sampling_params = params
+
+
 def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[int]], bool]:
     """Rewrite obj (separator mode), validate its chunks; return the chunks' token ids to register
     ([] for a request without chunks) and whether their registrations keep the chunks' end states
@@ -130,6 +150,7 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[
     and on every entry of a batch alike (a prompt cached there would pose as a tenant's registered
     chunk; a client's `register` would be served as one)."""
     from sglang_ext.linearkv import NAMESPACE_PREFIX, is_chunk_namespace, keeps_state, plan_chunks, request_field
+    from sglang_ext.linearkv.serving import MAY_BE_STRICT
 
     config, _ = server
     keys = obj.extra_key if isinstance(obj.extra_key, list) else [obj.extra_key]   # a batch: one per prompt
@@ -146,9 +167,22 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[
         return [], False
     value = request_field(_custom_params(obj))
     _refuse_internal(value)
+    exactness = requested_exactness(_custom_params(obj))
     separator = value.get("separator") if value is not None else config.separator
     if value is not None and "separator" in value and (not isinstance(separator, str) or not separator):
         raise ValueError(f"custom_params.linearkv.separator must be a non-empty string, got {separator!r}")
+    if value is not None and exactness == "exact" and config.exact_requests == "refuse":
+        raise ValueError("custom_params.linearkv: this request asks exactness 'exact' and chunks are assembled "
+                         "from context-free KV, which is never exact; this server refuses such requests "
+                         "(--linearkv-config exact_requests: refuse): send the prompt without custom_params.linearkv, "
+                         "or ask custom_params.tail_replay.exactness 'exact_first' or 'approximate'")
+    if separator is not None and (value is None or "chunks" not in value) and exactness in MAY_BE_STRICT:
+        # a request that may run strict is never split at the separator: it is served as sent
+        # (a server without cache reads the separators too), whether the separator is the server's
+        # or its own
+        if value is not None:
+            _set_linearkv_field(obj, None)
+        return [], False
     if separator is not None and (value is None or "chunks" not in value):
         spans = _by_separator(manager, obj, separator)
         if spans is None:
@@ -171,15 +205,9 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[
             plan = plan_chunks(value, served, config, can_compose=_can_compose(manager))
         except ValueError:
             return [], False
-    params = dict(obj.sampling_params or {})
-    custom = dict(params.get("custom_params") or {})
-    custom["linearkv"] = {k: v for k, v in value.items() if k != "separator"}
-    if plan is None:
-        custom.pop("linearkv")
-    params["custom_params"] = custom
-    obj.sampling_params = params
-    if plan is None:
-        return [], False
+    _set_linearkv_field(obj, None if plan is None else {k: v for k, v in value.items() if k != "separator"})
+    if plan is None or exactness == "exact":
+        return [], False   # (an exact request's chunks are never assembled: the scheduler prefills it)
     prefix = [ids[:plan.prefix_end]] if plan.prefix_end else []
     return prefix + [ids[s:e] for s, e in plan.chunks], keeps_state(plan)
 

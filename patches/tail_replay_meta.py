@@ -3,10 +3,14 @@ the other wings' summaries registered as meta contributors (`sglang_ext.hooks`),
 own key.
 
 Reads the request's Tail-Replay record (`sglang_ext.tail_replay.record_of`) and writes
-`replay_summary(record)` (the plan; `exact`: the state the answer was computed from counts as
-exact; `kv_exact`: everything it read was exact, what `exactness: "exact"` guarantees; `bound`;
-and for an approximate hit the state bound from its tail's gates); requests without a plan (no
-Tail-Replay match) keep SGLang's details unchanged. A
+`answer_label(record)` (for a planned request `replay_summary`: the plan; `exact`: the state the
+answer was computed from counts as exact; `kv_exact`: everything it read was exact, what
+`exactness: "exact"` guarantees; `bound`; and for an approximate hit the state bound from its
+tail's gates). On a server that serves with Tail-Replay (its backend, or one registered with
+`sglang_ext.hooks.add_request_backend`) every answer carries that label: one without a plan (never
+matched by Tail-Replay, assembled by another wing, or of unknown provenance) says `exact: false,
+kv_exact: false` with the kind that says why (fail closed). Other servers keep SGLang's details
+unchanged. A
 finished answer that was not exact, on a server or request with `repair: true`, also carries its
 sequence under `REPAIR_KEY` (`sglang_ext.tail_replay.repair`) for the tokenizer process, which
 removes it and sends the repair run (`patches/tail_replay_audit.py`); a request that
@@ -31,6 +35,20 @@ from collections.abc import Callable
 TARGET = "srt/managers/scheduler_components/output_streamer.py: get_cached_tokens_details"
 
 
+@functools.lru_cache(maxsize=4)
+def _labels_answers(radix_cache_backend: str | None) -> bool:
+    from sglang_ext.hooks import request_backends
+    from sglang_ext.tail_replay import BACKEND_NAME
+
+    return radix_cache_backend == BACKEND_NAME or radix_cache_backend in request_backends()
+
+
+def _this_server_labels() -> bool:
+    from sglang.srt.runtime_context import get_server_args
+
+    return _labels_answers(getattr(get_server_args(), "radix_cache_backend", None))
+
+
 def _wrap_cached_tokens_details(original: Callable) -> Callable:
     @functools.wraps(original)
     def get_cached_tokens_details(self, req):
@@ -41,17 +59,19 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
             META_KEY,
             REPAIR_KEY,
             SHARED_REPAIR_KEY,
+            answer_label,
             record_of,
             record_repair_finished,
             repair_due,
             repair_sequence,
-            replay_summary,
         )
 
         record = record_of(req)
-        if record is not None and record.plan is not None:
-            summary = replay_summary(record, len(req.origin_input_ids))
+        planned = record is not None and record.plan is not None
+        if planned or _this_server_labels():
+            summary = answer_label(record, len(req.origin_input_ids))
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(summary)}
+        if planned:
             if repair_due(record.config, exact=summary.get("exact", True), finished=req.finished()):
                 details[REPAIR_KEY] = encode(repair_sequence(req.origin_input_ids, req.output_ids))
             if record.shared_repair is not None:   # with the first output: the repair runs while it decodes

@@ -17,7 +17,7 @@ from sglang_ext.linearkv.admission import RoundBudget, round_slots
 from sglang_ext.linearkv.prepass import PrePass, StateSeed, write_seed
 from sglang_ext.linearkv.serving import COMPOSING_RULES, LinearKVRequest
 from sglang_ext.linearkv.serving import record_of as linearkv_record
-from sglang_ext.tail_replay import record_of
+from sglang_ext.tail_replay import KIND_ASSEMBLED, record_of
 
 
 class ChunkAssembly:
@@ -119,8 +119,8 @@ class ChunkAssembly:
         record.reused_tokens = plan.chunk_tokens - plan.recomputed_chunk_tokens
         record.recomputed_tokens = len(req.origin_input_ids) - plan.forward_start + plan.head_tokens
         tr = record_of(req)
-        if tr is not None:   # the Tail-Replay plan over P was only the fallback
-            tr.drop_plan()
+        if tr is not None:   # the Tail-Replay plan over P was only the fallback; the answer is not exact
+            tr.drop_plan(KIND_ASSEMBLED)
         return total
 
     def _lock_sources(self, req: Any, sources: list[Any], reads: list[int]) -> tuple[dict[int, Any], int] | None:

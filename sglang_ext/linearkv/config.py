@@ -38,7 +38,12 @@ NAMESPACE_PREFIX = "linearkv-chunk:"
 #: chunk's end, not on the tracking grid (`mamba_component.LinearKVMambaComponent`).
 SERVED_STRATEGIES = ("no_buffer", "extra_buffer", "auto", None)
 
-_CONFIG_KEYS = ("selector", "k", "state", "min_chunk_tokens", "separator")
+#: `exact_requests`: what a request with chunks that asks `exactness: "exact"` gets (assembled chunk KV
+#: is context-free, never exact): "prefill" (served as a plain prefill of its whole prompt, exact,
+#: its chunks counted missed) or "refuse" (HTTP 400 saying why)
+EXACT_REQUEST_MODES = ("prefill", "refuse")
+
+_CONFIG_KEYS = ("selector", "k", "state", "min_chunk_tokens", "separator", "exact_requests")
 CONFIG_WHERE = "--linearkv-config key '{}'"
 
 
@@ -60,6 +65,11 @@ class LinearKVConfig:
     min_chunk_tokens: a declared chunk shorter than this is joined to the span after it (a chunk
         costs one cached state; tiny ones are not worth it).
     separator: server-wide separator string for text prompts (None: only per request).
+    exact_requests: a request with chunks whose exactness is strict (`exactness: "exact"`, or
+        "exact_unless_pressed" not pressed; its own `custom_params.tail_replay` or the server's
+        `--tail-replay-config`): "prefill" (its whole prompt is prefilled as sent, exact) or
+        "refuse" (a request naming chunk spans gets HTTP 400; in separator mode the text is then
+        never split, so it is a plain prompt). Assembly is never exact, whatever this says.
     """
 
     selector: str = "none"
@@ -67,6 +77,7 @@ class LinearKVConfig:
     state: str = "predecessor"
     min_chunk_tokens: int = 16
     separator: str | None = None
+    exact_requests: str = "prefill"
 
 
 def parse_config(text: str | Mapping[str, Any] | None) -> LinearKVConfig:
@@ -89,6 +100,9 @@ def parse_config(text: str | Mapping[str, Any] | None) -> LinearKVConfig:
     if config.separator is not None and (not isinstance(config.separator, str) or not config.separator):
         raise LinearKVConfigError(
             f"--linearkv-config key 'separator' must be a non-empty string, got {config.separator!r}")
+    if config.exact_requests not in EXACT_REQUEST_MODES:
+        raise LinearKVConfigError(f"--linearkv-config key 'exact_requests' must be one of {list(EXACT_REQUEST_MODES)}, "
+                                  f"got {config.exact_requests!r}")
     return config
 
 

@@ -60,7 +60,8 @@ __all__ = ["BACKEND_NAME", "COMPOSING_RULES", "DEFAULT_EPIC_K", "DEFAULT_REPLAY_
            "namespace", "parse_config", "selector_name", "state_rule", "tenant_namespace",
            "ChunkPlan", "composes", "is_registration", "join_short", "keeps_state", "plan_chunks",
            "request_field", "spans_of_segments", "split_by_separator",
-           "RECORD_ATTR", "LinearKVRequest", "summary", "fallback_record", "parse_record", "record_of",
+           "RECORD_ATTR", "LinearKVRequest", "summary", "fallback_record", "parse_record",
+           "EXACT_FALLBACK", "MAY_BE_STRICT", "served_exactly", "record_of",
            "capture_of", "needs_worker", "meta_contribution", "register_hooks"]
 
 #: attribute on SGLang's Req holding its LinearKVRequest (set by the adapter at the request's match)
@@ -136,6 +137,23 @@ def fallback_record(value: Mapping[str, Any], n_tokens: int, reason: str) -> Lin
     declared = value.get("chunks")
     missed = len(declared) if isinstance(declared, Sequence) and not isinstance(declared, (str, bytes)) else 0
     return LinearKVRequest(fallback=reason, declared_chunks=missed)
+
+
+#: `fallback` of a request with chunks whose exactness is strict (`served_exactly`)
+EXACT_FALLBACK = ("exactness 'exact': the chunks were not assembled (their KV is context-free, never exact); "
+                  "the prompt was prefilled as sent")
+#: `exactness` values under which a request may run strict (`exactness: "exact"`; "exact_unless_pressed"
+#: unless its arrival is pressed, which only the scheduler knows): such a prompt's text is never split
+#: at the separator on arrival (the server without cache would read the separators too)
+MAY_BE_STRICT = ("exact", "exact_unless_pressed")
+
+
+def served_exactly(record: LinearKVRequest) -> LinearKVRequest:
+    """The record of a planned request with chunks whose exactness is strict (decided once, at its
+    first match, from its resolved Tail-Replay config): a plain prefill of the whole prompt as
+    sent, every chunk missed, `fallback` saying why (`EXACT_FALLBACK`)."""
+    assert record.plan is not None
+    return LinearKVRequest(fallback=EXACT_FALLBACK, declared_chunks=len(record.plan.chunks))
 
 
 def parse_record(custom_params: Any, n_tokens: int, config: LinearKVConfig, *,

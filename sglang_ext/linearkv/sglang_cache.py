@@ -33,6 +33,7 @@ is `assembly.ChunkAssembly`, the state rules per request kind `mamba_component`,
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
@@ -51,6 +52,7 @@ from sglang_ext.linearkv.serving import (
     LinearKVRequest,
     capture_of,
     parse_record,
+    served_exactly,
     tenant_namespace,
 )
 from sglang_ext.linearkv.serving import record_of as serving_record_of
@@ -67,13 +69,18 @@ logger = logging.getLogger(__name__)
 linearkv_record = serving_record_of   # the record of SGLang's Req (serving.record_of)
 
 
-def _record_for(req: Any, config: LinearKVConfig, can_compose: bool) -> LinearKVRequest | None:
+def _record_for(req: Any, config: LinearKVConfig, can_compose: bool,
+                strict: Callable[[Any], bool]) -> LinearKVRequest | None:
     """The request's record, parsed once from its custom_params (validated on arrival) on the
-    prompt as served (`serving.parse_record`); None for requests without LinearKV fields."""
+    prompt as served (`serving.parse_record`); None for requests without LinearKV fields. A planned
+    request whose exactness is strict (`strict(req)`: its resolved Tail-Replay config) is served
+    as a plain prefill instead (`serving.served_exactly`): assembly is never exact."""
     record = linearkv_record(req)
     if record is None:
         record = parse_record(getattr(req.sampling_params, "custom_params", None), len(req.origin_input_ids),
                               config, can_compose=can_compose)
+        if record is not None and record.plan is not None and strict(req):
+            record = served_exactly(record)
         if record is not None:
             setattr(req, RECORD_ATTR, record)
     return record
@@ -142,7 +149,8 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
     # ---- match -------------------------------------------------------------------------------
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
-        record = None if req is None else _record_for(req, self.linearkv_config, self.can_compose)
+        record = None if req is None else _record_for(req, self.linearkv_config, self.can_compose,
+                                                      lambda r: self.request_record(r).config.strict)
         if record is None:
             return super()._match_tree(params)
         record.reset_match()

@@ -124,6 +124,7 @@ from sglang_ext.tail_replay.config import (
 from sglang_ext.tail_replay.decay_profile import PERCENTILES
 from sglang_ext.tail_replay.metrics import (
     META_KEY,
+    answer_label,
     is_recording_rank,
     output_provenance,
     plan_summary,
@@ -148,7 +149,15 @@ from sglang_ext.tail_replay.repair import (
     repair_sequence,
     shared_repair_due,
 )
-from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, attach, plan_of, record_of
+from sglang_ext.tail_replay.request import (
+    KIND_ASSEMBLED,
+    KIND_UNTRACKED,
+    RECORD_ATTR,
+    TailReplayRequest,
+    attach,
+    plan_of,
+    record_of,
+)
 from sglang_ext.tail_replay.request_fields import RequestLimits, background_mark, check_request, request_overrides
 from sglang_ext.tail_replay.startup import (
     ServerFacts,
@@ -178,9 +187,9 @@ __all__ = [
     "with_overrides", "user_settings", "with_model_profile", "AUTO", "PERCENTILES",
     "HitKind", "ReplayPlan", "plan_replay", "replay_window",
     "PRESSURE_PARAM_KEY", "LoadSample", "PressurePolicy", "pressed_by", "stamp",
-    "RECORD_ATTR", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",
+    "RECORD_ATTR", "KIND_ASSEMBLED", "KIND_UNTRACKED", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",
     "META_KEY", "is_recording_rank", "plan_summary", "record_bound", "record_first_forward", "record_plan",
-    "replay_summary", "output_provenance", "record_audit", "record_repair_finished", "records_here",
+    "replay_summary", "answer_label", "output_provenance", "record_audit", "record_repair_finished", "records_here",
     "AuditResult", "Divergence", "PendingAudits", "ServedAnswer", "audit_trigger", "divergence", "log_probs",
     "prompt_key", "reference_overrides",
     "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "SHARED_REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",

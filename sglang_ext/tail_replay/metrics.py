@@ -20,7 +20,7 @@ import functools
 from sglang_ext.tail_replay.audit import Divergence
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.provenance import counts_exact
-from sglang_ext.tail_replay.request import TailReplayRequest, bounds_of
+from sglang_ext.tail_replay.request import KIND_UNTRACKED, TailReplayRequest, bounds_of
 from sglang_ext.tail_replay.state_bound import summarize
 
 #: key of the per-request summary in `meta_info["cached_tokens_details"]`
@@ -218,6 +218,24 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
     summary["state_bound"] = None if bound is None else bound.state_bound
     summary["state_bound_per_layer"] = None if bound is None else list(bound.per_layer)
     return summary
+
+
+def answer_label(record: TailReplayRequest | None, prompt_len: int) -> dict:
+    """`meta_info.cached_tokens_details.tail_replay` of any answer of a server that serves with
+    Tail-Replay: `replay_summary` where the request has a plan; otherwise (no record: it was never
+    planned; a record whose plan was dropped: another wing served it, or what it read has no known
+    provenance) the fail-closed label `exact: false, kv_exact: false, bound: None` with the kind
+    that says why (`TailReplayRequest.served_as`: "assembled", "untracked"). Counted once per
+    request with a record, as `replay_summary` counts."""
+    if record is not None and record.plan is not None:
+        return replay_summary(record, prompt_len)
+    kind = KIND_UNTRACKED if record is None or record.served_as is None else record.served_as
+    if record is not None and not record.exactness_recorded:
+        record.exactness_recorded = True
+        if not record.config.background and _this_rank_records():
+            _counters()["requests"].labels(exact="false").inc()
+            _counters()["kv_exact"].labels(kv_exact="false").inc()
+    return {"kind": kind, "exact": False, "kv_exact": False, "bound": None}
 
 
 def record_bound(state_bound: float) -> None:

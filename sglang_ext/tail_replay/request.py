@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 #: the one attribute of SGLang's `Req` that holds the record
 RECORD_ATTR = "sglang_ext_tail_replay"
+#: label kinds of answers served without a plan (`TailReplayRequest.drop_plan`,
+#: `metrics.answer_label`): what they read has no known provenance / was assembled from chunk KV
+KIND_UNTRACKED = "untracked"
+KIND_ASSEMBLED = "assembled"
 
 
 @dataclass(frozen=True)
@@ -102,20 +106,28 @@ class TailReplayRequest:
     #: HiCache: the plan's prefix reaches into KV held on the host tier, which SGLang's load-back
     #: brings to the device at admission (`TailReplayRadixCache.init_load_back`); set at every match
     host_load: HostLoad | None = None
+    #: why the request has no plan after a match that made one (`drop_plan`): the answer's label
+    #: kind (`metrics.answer_label`): "assembled" (another wing served it from chunk KV), "untracked"
+    #: (what it reads has no known provenance); None while it has a plan or was never matched
+    served_as: str | None = None
 
     def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0) -> None:
         """A (re-)match: the new plan and provenance, with the bounds' accumulators emptied."""
         self.plan = plan
+        self.served_as = None
         self.tail_decay = TailDecay()
         self.bound = None
         self.carry = carry
         self.floor = floor
         self.output_bound = None
 
-    def drop_plan(self) -> None:
+    def drop_plan(self, served_as: str = KIND_UNTRACKED) -> None:
         """The request is served some other way than its plan (another wing took over after the
-        match, e.g. assembling cached chunks): no plan, no tail slots, no provenance carry."""
+        match, e.g. assembling cached chunks: `served_as` "assembled"), or from what has no known
+        provenance ("untracked"): no plan, no tail slots, no provenance carry. Its answer is
+        labelled not exact, of kind `served_as` (`metrics.answer_label`)."""
         self.plan, self.kv_slots, self.own_end, self.carry = None, None, None, None
+        self.served_as = served_as
 
     def withhold_state(self) -> None:
         """Keep the request's state out of the tree at its next caching (its release frees it)."""

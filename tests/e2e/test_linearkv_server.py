@@ -691,3 +691,46 @@ def test_chunk_registrations_are_stored_as_exact(served, arch):
     exact_after, untracked_after = stored()
     assert exact_after - exact_before >= 2, "each registration stores its chunk's KV, exact"
     assert untracked_after == untracked_before, "a registration was stored with an unknown (infinite) bound"
+
+
+EXACT = {"tail_replay": {"exactness": "exact"}}
+
+
+def _label(result) -> dict:
+    return result["meta_info"]["cached_tokens_details"]["tail_replay"]
+
+
+def test_a_request_with_chunks_asking_exact_is_served_exactly(served):
+    """Assembled chunk KV is context-free, never exact. After a request registered two chunks,
+    the same chunks sent with `exactness: "exact"` (reordered, and in the registered order) are
+    served as a plain prefill: their output logprobs equal a full recompute's, meta_info says
+    `exact` and `kv_exact` and why the chunks missed; the assembled request itself says
+    `exact: false, kind: "assembled"`. In separator mode an exact request's text is not split."""
+    from sglang_ext.linearkv.serving import EXACT_FALLBACK
+
+    procs, _ = served
+    server = procs["qwen3-next"]   # extra_buffer, overlap scheduler
+    rng = random.Random(51)
+    prefix = [rng.randrange(10, 100) for _ in range(20)]
+    chunks = [[rng.randrange(100, 200) for _ in range(120)] for _ in range(2)]
+    assembled = ask(server, prefix, chunks, _ids(30, 5100))
+    assert _details(assembled)["chunks_hit"] == 2
+    assert _label(assembled) == {"kind": "assembled", "exact": False, "kv_exact": False, "bound": None}
+    for order, seed in ((chunks[::-1], 5101), (chunks, 5102)):
+        question = _ids(30, seed)
+        exact = ask(server, prefix, order, question, custom_extra=EXACT)
+        details, label = _details(exact), _label(exact)
+        assert details["chunks_hit"] == 0 and details["chunks_missed"] == 2 and details["fallback"] == EXACT_FALLBACK
+        assert label["exact"] is True and label["kv_exact"] is True and label["bound"] == 0.0, label
+        assert exact["meta_info"]["cached_tokens"] <= len(prefix), exact["meta_info"]
+        reference = full(server, _layout(prefix, order)[0] + question)
+        assert _logprobs(exact) == pytest.approx(_logprobs(reference), abs=1e-4)
+    text = SEP.join(["a system prompt", "a passage about rivers " * 4, "a passage about hills " * 4, "which?"])
+    for custom, split in ((EXACT, False), (None, True)):
+        result = server.generate(text=text, sampling_params={"max_new_tokens": 2, "temperature": 0,
+                                                             "custom_params": custom})
+        details = result["meta_info"]["cached_tokens_details"]
+        assert ("linearkv" in details) is split, details
+        if not split:   # the separators were read as sent
+            assert result["meta_info"]["prompt_tokens"] == len(_tokenizer(server).encode(text))
+            assert _label(result)["exact"] is True

@@ -705,3 +705,48 @@ def test_a_streaming_session_turn_is_planned_and_honours_its_exactness(servers):
     finally:
         requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session["id"]})
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def _tenant_turn(server, ids, session, **namespace):
+    return requests.post(f"{server.url}/generate", timeout=300, json={
+        "input_ids": ids, "session_params": session, **namespace,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+
+
+def test_a_session_belongs_to_the_namespace_of_its_first_turn(servers):
+    """A session id is chosen by the client: a turn sent under another `extra_key` or
+    `cache_salt` than its session's first turn gets a 400 naming the field and reads nothing of
+    the session, the other tenant's plain request of the document reuses nothing, and the
+    session goes on for its own tenant. The same for a non-streaming session's appended turn."""
+    server = servers["qwen3-next"]
+    document = random_prompt(400, seed=160)
+    session = _open_session(server)
+    try:
+        first = _tenant_turn(server, document, session, extra_key="tenant-A")
+        assert first.status_code == 200, first.text
+        for namespace, field in (({"extra_key": "tenant-B"}, "extra_key"),
+                                 ({"extra_key": "tenant-A", "cache_salt": "s"}, "cache_salt"),
+                                 ({}, "extra_key")):
+            foreign = _tenant_turn(server, random_prompt(8, seed=161), session, **namespace)
+            assert foreign.status_code == 400, foreign.text
+            assert f"this turn's {field} differ" in foreign.text and "tenant-A" not in foreign.text
+        plain = server.generate(input_ids=document + random_prompt(8, seed=162), extra_key="tenant-B",
+                                sampling_params={"max_new_tokens": 2, "temperature": 0})
+        assert plain["meta_info"]["cached_tokens"] == 0, plain["meta_info"]
+        own = _tenant_turn(server, random_prompt(8, seed=163), session, extra_key="tenant-A")
+        assert own.status_code == 200, own.text
+        assert own.json()["meta_info"]["cached_tokens"] >= len(document)   # the session's own context
+    finally:
+        requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session["id"]})
+    opened = requests.post(f"{server.url}/open_session", timeout=60, json={"capacity_of_str_len": 8192})
+    assert opened.status_code == 200, opened.text
+    sid = opened.json()
+    try:
+        first = _tenant_turn(server, document, {"id": sid}, extra_key="tenant-A", rid="tenancy-first")
+        assert first.status_code == 200, first.text
+        appended = _tenant_turn(server, random_prompt(8, seed=164), {"id": sid, "rid": "tenancy-first"},
+                                extra_key="tenant-B")
+        assert appended.status_code == 400 and "this turn's extra_key differ" in appended.text, appended.text
+    finally:
+        requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": sid})
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200

@@ -264,3 +264,19 @@ def test_each_request_kind_has_one_caching_rule():
     assert all(CACHING[k].inserts == "all" for k in ("register_kv", "register_state", "register_hit"))
     assert all((rule.inserts, rule.at_match, rule.when_cached) == ("tail_replay",) * 3
                for k, rule in CACHING.items() if k in ("plain", "fallback"))
+
+
+def test_a_request_with_chunks_served_exactly_is_a_plain_prefill_that_says_why():
+    from sglang_ext.linearkv.serving import EXACT_FALLBACK, parse_record, served_exactly, summary
+
+    config = LinearKVConfig(min_chunk_tokens=1)
+    record = parse_record({"linearkv": {"chunks": [[4, 20], [20, 30]]}}, 40, config, can_compose=False)
+    exact = served_exactly(record)
+    assert exact.plan is None and exact.fallback == EXACT_FALLBACK and exact.declared_chunks == 2
+    assert summary(exact)["fallback"] == EXACT_FALLBACK
+
+
+def test_exact_requests_mode_is_checked_at_start():
+    assert parse_config('{"exact_requests": "refuse"}').exact_requests == "refuse"
+    with pytest.raises(LinearKVConfigError, match="'exact_requests' must be one of"):
+        parse_config('{"exact_requests": "never"}')

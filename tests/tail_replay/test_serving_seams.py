@@ -22,7 +22,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang_ext import env  # noqa: E402
 from sglang_ext.patches import tail_replay_request  # noqa: E402
 from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
-from sglang_ext.tail_replay.metrics import is_recording_rank, record_plan, replay_summary  # noqa: E402
+from sglang_ext.tail_replay.metrics import answer_label, is_recording_rank, record_plan, replay_summary  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
 from sglang_ext.tail_replay.provenance import TAINT, CarryBound  # noqa: E402
 from sglang_ext.tail_replay.request import TailReplayRequest  # noqa: E402
@@ -134,3 +134,26 @@ def test_kv_exact_is_kept_apart_from_exact(exactness, carry_bound, floor, exact,
     assert summary["exact"] is exact and summary["kv_exact"] is kv_exact, summary
     assert _kv_exact_total(str(kv_exact).lower()) - before[str(kv_exact).lower()] == 1
     assert _kv_exact_total(str(not kv_exact).lower()) == before[str(not kv_exact).lower()]
+
+
+def test_an_answer_without_a_plan_is_labelled_not_exact_with_the_reason():
+    """Every answer of a Tail-Replay server carries a label: one never planned (no record) or
+    whose plan another wing replaced (LinearKV's assembly) or that read what has no known
+    provenance says `exact: false, kv_exact: false`, with the kind saying why (fail closed); a
+    planned one is `replay_summary`'s. A record's label is counted once, as not exact."""
+    unplanned = {"exact": False, "kv_exact": False, "bound": None}
+    assert answer_label(None, 40) == {"kind": "untracked", **unplanned}
+    assembled = TailReplayRequest(config=TailReplayConfig())
+    assembled.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 16, 16, 16))
+    assembled.drop_plan("assembled")
+    before = _kv_exact_total("false")
+    with get_parallel().override(attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=0, attn_cp_size=1, tp_size=1,
+                                 moe_tp_size=1, moe_ep_size=1, moe_dp_size=1, pp_rank=0, pp_size=1):
+        assert answer_label(assembled, 40) == {"kind": "assembled", **unplanned}
+        assert answer_label(assembled, 40) == {"kind": "assembled", **unplanned}   # counted once
+        assert _kv_exact_total("false") - before == 1
+        dropped = TailReplayRequest(config=TailReplayConfig())
+        dropped.drop_plan()
+        assert answer_label(dropped, 40)["kind"] == "untracked"
+        dropped.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 16, 16, 16))   # a re-match plans it again
+        assert answer_label(dropped, 40) == replay_summary(dropped, 40) and dropped.served_as is None
