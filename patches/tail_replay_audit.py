@@ -216,10 +216,20 @@ def _background_request(tokenizer_manager: Any, obj: Any, *, text: Any, input_id
     return mark_background_run(run, background_mark(overrides))
 
 
+#: request fields whose input the prompt's token ids do not carry: multimodal data (the ids hold
+#: placeholder tokens), embeddings (the ids are placeholders)
+NOT_IN_THE_IDS = ("image_data", "video_data", "audio_data", "input_embeds")
+
+
 def repair_request(tokenizer_manager: Any, rid: str, sequence: list[int], obj: Any, kind: str = "answer") -> Any:
-    """A repair run of `kind` for request `rid` (its `GenerateReqInput` `obj`) over `sequence`."""
+    """A repair run of `kind` for request `rid` (its `GenerateReqInput` `obj`) over `sequence` (the
+    scheduler's token ids), or None when those ids do not carry the request's input
+    (`NOT_IN_THE_IDS`): a run of the ids alone would compute other KV and store it as exact under
+    the same key. A session turn's ids are its whole history, so it is repaired as any request."""
     from sglang_ext.tail_replay import repair_overrides
 
+    if any(getattr(obj, name, None) for name in NOT_IN_THE_IDS):
+        return None
     return _background_request(tokenizer_manager, obj, text=None, input_ids=list(sequence),
                                overrides=repair_overrides(rid, kind), kind="repair")
 
@@ -229,8 +239,7 @@ def reference_request(tokenizer_manager: Any, rid: str, obj: Any) -> Any:
     its prompt cannot be sent again as is (multimodal data, embeddings, a session)."""
     from sglang_ext.tail_replay import reference_overrides
 
-    if any(getattr(obj, name, None) for name in ("image_data", "video_data", "audio_data", "input_embeds",
-                                                   "session_params")):
+    if any(getattr(obj, name, None) for name in (*NOT_IN_THE_IDS, "session_params")):
         return None
     text, input_ids = getattr(obj, "text", None), getattr(obj, "input_ids", None)
     if input_ids is None and not isinstance(text, str):
@@ -257,6 +266,10 @@ def _submit_repair(tokenizer_manager: Any, rid: str, sequence: list[int], obj: A
                        "made exact stays approximate until a later request asks again)", rid, kind, len(_repairs))
         return
     run = repair_request(tokenizer_manager, rid, sequence, obj, kind)
+    if run is None:
+        logger.warning("Tail-Replay repair of rid=%s (%s) skipped: its input is not in its token ids "
+                       "(multimodal data or embeddings)", rid, kind)
+        return
     task = asyncio.get_running_loop().create_task(_run_reference(tokenizer_manager, rid, run, "repair"))
     _repairs.add(task)
     task.add_done_callback(_repairs.discard)

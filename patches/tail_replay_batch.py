@@ -10,6 +10,9 @@ tail_replay cache at match; `sglang_ext.tail_replay.record_of`), are kept in a s
 The rows of approximate replays' tails (either KV mode), with each request's `TailDecay`, are kept
 beside them for the gate hooks (`bound_segments_of`: `patches/tail_replay_gdn_bound.py`,
 `tail_replay_mamba2_bound.py`). Also records each request's Tail-Replay plan in the metrics at its first forward.
+Under tensor parallelism the segments carry the attention-TP group (`head_shards`): each rank's
+hooks see only its heads, and the segments gather over the group so every rank holds the same
+bounds and so makes the same plans, frees and evictions.
 Requests without a Tail-Replay record are untouched.
 
 Why a registry and not the request record or the batch: the rows are positions in one packed
@@ -35,6 +38,8 @@ from sglang_ext.hooks import decay_capture
 from sglang_ext.tail_replay import (
     BoundSegments,
     CarrySegments,
+    DistributedHeadShards,
+    HeadShards,
     HitKind,
     bound_segments,
     carry_segments,
@@ -69,6 +74,21 @@ def _tail_rows_and_slots(reqs: Sequence[Any], prefix_lens: Sequence[int], extend
     if not rows:
         return None, None
     return torch.cat(rows), torch.cat(slots)
+
+
+def head_shards() -> HeadShards | None:
+    """The attention-TP group whose ranks each hold a shard of the linear layers' heads (GDN and,
+    under DP attention, Mamba-2 shard over it; without DP attention it is the TP group, which
+    Mamba-2 shards over), or None on a single rank. Every rank of it runs the same batch, so the
+    gate hooks gather there (`state_bound.HeadShards`)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    size = get_parallel().attn_tp_size
+    if size <= 1:
+        return None
+    from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+    return DistributedHeadShards(get_attn_tp_group().device_group, size)
 
 
 def _bound_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens: Sequence[int]
@@ -114,11 +134,12 @@ def _wrap_init_new(original: classmethod) -> classmethod:
                 device = fb.input_ids.device
                 if rows is not None:
                     rows = rows.to(device)
+                shards = head_shards() if segments is not None or carries is not None else None
                 if segments is not None:
                     segments = dataclasses.replace(segments, rows=segments.rows.to(device),
-                                                   segment=segments.segment.to(device))
+                                                   segment=segments.segment.to(device), shards=shards)
                 if carries is not None:
-                    carries = dataclasses.replace(carries, rows=carries.rows.to(device))
+                    carries = dataclasses.replace(carries, rows=carries.rows.to(device), shards=shards)
                 _remember(_batch_keys(fb), rows, slots, model_runner.token_to_kv_pool, segments, carries)
         return fb
 

@@ -9,8 +9,10 @@ answer was computed from counts as exact; `kv_exact`: everything it read was exa
 tail's gates). On a server that serves with Tail-Replay (its backend, or one registered with
 `sglang_ext.hooks.add_request_backend`) every answer carries that label: one without a plan (never
 matched by Tail-Replay, assembled by another wing, or of unknown provenance) says `exact: false,
-kv_exact: false` with the kind that says why (fail closed). Other servers keep SGLang's details
-unchanged. A
+kv_exact: false` with the kind that says why (fail closed). The label covers what the answer
+read: the state its next token comes from at the end of its last match (after a retraction, past
+the prompt), what it generated under earlier plans, and the positions of the input logprobs it
+returns (`logprob_start_len`). Other servers keep SGLang's details unchanged. A
 finished answer that was not exact, on a server or request with `repair: true`, also carries its
 sequence under `REPAIR_KEY` (`sglang_ext.tail_replay.repair`) for the tokenizer process, which
 removes it and sends the repair run (`patches/tail_replay_audit.py`); a request that
@@ -69,7 +71,8 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
         record = record_of(req)
         planned = record is not None and record.plan is not None
         if planned or _this_server_labels():
-            summary = answer_label(record, len(req.origin_input_ids))
+            start = req.logprob_start_len if req.return_logprob else -1   # input logprobs read from there on
+            summary = answer_label(record, len(req.origin_input_ids), start)
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(summary)}
         if planned:
             if repair_due(record.config, exact=summary.get("exact", True), finished=req.finished()):

@@ -66,6 +66,16 @@ def cpu_start_method() -> str:
     return value
 
 
+#: Read by SGLang: its Rust HTTP server and tokenizer instead of the Python ones
+SGLANG_RUST_SERVER_VAR = "SGLANG_RUST_SERVER"
+
+
+def rust_server() -> bool:
+    """Whether `SGLANG_RUST_SERVER` asks for SGLang's Rust HTTP server (as SGLang's `EnvBool` reads
+    it: "true" / "1" / "yes" / "y", any case)."""
+    return os.environ.get(SGLANG_RUST_SERVER_VAR, "").strip().lower() in ("true", "1", "yes", "y")
+
+
 def tail_replay_config_text() -> str | None:
     """The raw value of `SGLANG_EXT_TAIL_REPLAY_CONFIG` (None when unset). Parsed, validated and
     cached by `sglang_ext.tail_replay.config.server_config` (this module imports no wing)."""

@@ -192,7 +192,7 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
             result = result._replace(device_prefix_len=n - 1)
         else:
             if self.can_compose:
-                record.capture = (TailDecay(), 0, n)
+                record.capture = (TailDecay(local_heads=True), 0, n)   # per head, on this rank's state shard
             root = self.root_node_handle(key.extra_key)
             result = result._replace(device_prefix_len=0, last_device_node=root, last_host_node=root,
                                      best_match_node=root, mamba_branching_seqlen=None)

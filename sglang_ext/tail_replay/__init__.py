@@ -169,6 +169,8 @@ from sglang_ext.tail_replay.startup import (
 )
 from sglang_ext.tail_replay.state_bound import (
     BoundSegments,
+    DistributedHeadShards,
+    HeadShards,
     StateBound,
     TailDecay,
     bound_segments,
@@ -194,7 +196,7 @@ __all__ = [
     "prompt_key", "reference_overrides",
     "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "SHARED_REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",
     "shared_repair_due", "branch_repair_due",
-    "BoundSegments", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
+    "BoundSegments", "DistributedHeadShards", "HeadShards", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
     "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
     *_FROM_CACHE,
 ]

@@ -107,6 +107,18 @@ class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvP
 
         return get_disagg().disaggregation_mode == "decode"
 
+    def reset(self) -> None:
+        """SGLang's full reset (`/flush_cache`: the tree and the session slots are rebuilt); what
+        Tail-Replay keeps beside them goes too: the stock shadow of the state order and the
+        streaming sessions' provenance (a stale entry would label a new slot of the same session
+        id with an old slot's provenance). May mutate: those tables."""
+        super().reset()
+        self._session_table = None
+        self._released_history = None
+        mamba = getattr(self, "components", {}).get(ComponentType.MAMBA)
+        if mamba is not None:
+            mamba.forget_stock_shadow()
+
     # ---- match -------------------------------------------------------------------------------
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
         self._match_path = None   # walked by this match (`remember_matched_path`, `matched_path`)
@@ -178,6 +190,7 @@ class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvP
         the device + host KV hit) or holds the state a checkpoint plan starts from; SGLang's
         load-back brings what the plan reads to the device before the forward (`init_load_back`)."""
         record = self.request_record(req)
+        record.begin_match(len(req.origin_input_ids) + len(req.output_ids))
         device_len = result.device_prefix_len
         record.host_load = None
         if result.host_hit_length > 0:
@@ -244,7 +257,8 @@ class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvP
             self._inserting_history, self._released_history = None, None
 
     def _would_adopt_inexact_kv(self, req: Any, up_to: int) -> bool:
-        """Whether the insert of a running `exactness: "exact"` request (chunked prefill) over
+        """Whether the insert of a running strict request (`exactness: "exact"`, or pressed beyond
+        the tolerance: `TailReplayRequest.strict`; chunked prefill) over
         [0, up_to) would hand it tree KV that is not strictly exact: SGLang's insert frees the
         request's slots it finds in the tree already and rewrites the request's row to the tree's,
         so the request reads the tree's KV from then on (its next chunks, its decode). Where the
@@ -252,7 +266,7 @@ class TailReplayRadixCache(StreamingTurns, HostTierCache, SharedRepairRules, KvP
         strict request must not take it (fail closed: it keeps what it computed itself; it inserts
         when it finishes). A finished request reads nothing more. Reads only."""
         record = record_of(req)
-        if self.disable or record is None or not record.config.strict or req.finished():
+        if self.disable or record is None or not record.strict or req.finished():
             return False
         key = RadixKey(req.full_untruncated_fill_ids[:up_to], req.extra_key, is_bigram=self.tree_core.is_eagle,
                        cache_salt=req.cache_salt)

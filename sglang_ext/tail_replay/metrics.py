@@ -20,7 +20,7 @@ import functools
 from sglang_ext.tail_replay.audit import Divergence
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.provenance import counts_exact
-from sglang_ext.tail_replay.request import KIND_UNTRACKED, TailReplayRequest, bounds_of
+from sglang_ext.tail_replay.request import KIND_UNTRACKED, TailReplayRequest, answer_bound
 from sglang_ext.tail_replay.state_bound import summarize
 
 #: key of the per-request summary in `meta_info["cached_tokens_details"]`
@@ -154,18 +154,21 @@ def record_stored_bound(kind: str, bound: float) -> None:
         _counters()["stored"].labels(kind=kind).observe(bound)
 
 
-def output_bound(record: TailReplayRequest, prompt_len: int) -> float:
-    """The bound of the state the first output token was computed from (the last prompt
-    position's), as the tree would store it."""
-    return float(bounds_of(record, prompt_len - 1, prompt_len)[0]) if prompt_len > 0 else 0.0
+def output_bound(record: TailReplayRequest, prompt_len: int, logprob_start: int = -1) -> float:
+    """The bound of the answer: the state its next token is computed from, at the end of the
+    sequence its last match planned (the prompt, or prompt and output after a retraction:
+    `TailReplayRequest.label_end`), the input-logprob positions from `logprob_start` on when it
+    returns them, and what it generated under earlier plans (`earlier_bound`)."""
+    end = max(prompt_len, record.label_end or 0)
+    return max(record.earlier_bound, answer_bound(record, end, logprob_start))
 
 
-def output_provenance(record: TailReplayRequest, prompt_len: int) -> tuple[float, bool]:
-    """(bound, exact) of the request's output: the last prompt position's bound (computed once,
-    kept in the record) and whether it counts as exact under the request's exactness."""
+def output_provenance(record: TailReplayRequest, prompt_len: int, logprob_start: int = -1) -> tuple[float, bool]:
+    """(bound, exact) of the request's output (`output_bound`, computed once per plan and kept in
+    the record) and whether it counts as exact under the request's exactness."""
     if record.output_bound is None:
-        record.output_bound = output_bound(record, prompt_len)
-    return record.output_bound, counts_exact(record.output_bound, record.config.threshold)
+        record.output_bound = output_bound(record, prompt_len, logprob_start)
+    return record.output_bound, counts_exact(record.output_bound, record.threshold)
 
 
 def kv_exact(answer_bound: float) -> bool:
@@ -181,7 +184,7 @@ def plan_summary(plan: ReplayPlan) -> dict:
             "reused_tokens": plan.prefix_len, "replayed_tokens": plan.replayed_tokens}
 
 
-def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> dict:
+def replay_summary(record: TailReplayRequest, prompt_len: int | None = None, logprob_start: int = -1) -> dict:
     """`meta_info.cached_tokens_details.tail_replay` of a request with a plan: `plan_summary`,
     `exact`, `kv_exact` and `bound` (provenance of its output, given `prompt_len`: the last prompt
     position's bound; whether the state it was computed from counts as exact under the request's
@@ -194,7 +197,7 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
     assert record.plan is not None
     summary = plan_summary(record.plan)
     if prompt_len is not None:
-        answer_bound, exact = output_provenance(record, prompt_len)
+        answer_bound, exact = output_provenance(record, prompt_len, logprob_start)
         summary["exact"] = exact
         summary["kv_exact"] = read_exact = kv_exact(answer_bound)
         summary["bound"] = answer_bound
@@ -220,7 +223,7 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None) -> 
     return summary
 
 
-def answer_label(record: TailReplayRequest | None, prompt_len: int) -> dict:
+def answer_label(record: TailReplayRequest | None, prompt_len: int, logprob_start: int = -1) -> dict:
     """`meta_info.cached_tokens_details.tail_replay` of any answer of a server that serves with
     Tail-Replay: `replay_summary` where the request has a plan; otherwise (no record: it was never
     planned; a record whose plan was dropped: another wing served it, or what it read has no known
@@ -228,7 +231,7 @@ def answer_label(record: TailReplayRequest | None, prompt_len: int) -> dict:
     that says why (`TailReplayRequest.served_as`: "assembled", "untracked"). Counted once per
     request with a record, as `replay_summary` counts."""
     if record is not None and record.plan is not None:
-        return replay_summary(record, prompt_len)
+        return replay_summary(record, prompt_len, logprob_start)
     kind = KIND_UNTRACKED if record is None or record.served_as is None else record.served_as
     if record is not None and not record.exactness_recorded:
         record.exactness_recorded = True

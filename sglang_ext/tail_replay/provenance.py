@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -159,6 +159,13 @@ class CarryBound:
     def add_rows(self, layer: int, position: int, log_decay: torch.Tensor) -> None:
         """log_decay [n, heads]: this layer's per-token log-decay of rows [position, position + n).
         Adds the rows' log-bound (base_log + the running sum) into the chunk's max over layers."""
+        self.merge_rows(position, self.row_bounds(layer, log_decay))
+
+    def row_bounds(self, layer: int, log_decay: torch.Tensor) -> torch.Tensor:
+        """log_decay [n, heads]: this layer's per-token log-decay of the next n rows; advances the
+        layer's running sum and returns each row's log-bound [n] (base_log + the running sum, max
+        over the heads given). Under tensor parallelism the heads given are this rank's: the
+        caller takes the max over the ranks before `merge_rows` (`CarrySegments.accumulate`)."""
         import torch
 
         values = log_decay.float()
@@ -169,7 +176,13 @@ class CarryBound:
         self.sums[layer] = cumulative[-1].clone() if values.shape[0] else (
             running if running is not None else torch.zeros(values.shape[-1], device=values.device))
         self.tokens[layer] = self.tokens.get(layer, 0) + values.shape[0]
-        rows = (cumulative + self.base_log).amax(dim=-1)
+        return (cumulative + self.base_log).amax(dim=-1)
+
+    def merge_rows(self, position: int, rows: torch.Tensor) -> None:
+        """rows [n]: one layer's log-bound of rows [position, position + n), into the chunk's max
+        over layers."""
+        import torch
+
         for chunk in self.chunks:
             if chunk[0] == position and chunk[1].shape[0] == rows.shape[0]:
                 chunk[1] = torch.maximum(chunk[1], rows)
@@ -234,15 +247,29 @@ class CarrySegments:
     rows: torch.Tensor
     parts: tuple[tuple[CarryBound, int, int, int], ...]
     end: int
+    #: the tensor-parallel ranks holding the other heads (`state_bound.HeadShards`; None: this
+    #: rank holds every head)
+    shards: Any = field(default=None, compare=False)
 
     def accumulate(self, layer: int, log_decay_rows: torch.Tensor) -> None:
-        """log_decay_rows [n, heads]: the log-decay of `rows` at `layer` (one cumsum per request)."""
+        """log_decay_rows [n, heads]: the log-decay of `rows` at `layer` (one cumsum per request;
+        under tensor parallelism one max over the ranks of every part's row bounds, so every rank
+        carries the same bounds)."""
+        if self.shards is None:
+            for carry, position, offset, count in self.parts:
+                carry.add_rows(layer, position, log_decay_rows[offset:offset + count])
+            return
+        import torch
+
+        local = [carry.row_bounds(layer, log_decay_rows[offset:offset + count])
+                 for carry, _, offset, count in self.parts]
+        every = self.shards.max_rows(torch.cat(local)) if local else None
         for carry, position, offset, count in self.parts:
-            carry.add_rows(layer, position, log_decay_rows[offset:offset + count])
+            carry.merge_rows(position, every[offset:offset + count])
 
 
 def carry_segments(carries: Sequence[CarryBound | None], prefix_lens: Sequence[int],
-                   extend_lens: Sequence[int]) -> CarrySegments | None:
+                   extend_lens: Sequence[int], shards: Any = None) -> CarrySegments | None:
     """carries[i]: the request's CarryBound or None; prefix_lens / extend_lens: the requests'
     extend segments in batch order. None when no row is carried."""
     import torch
@@ -261,4 +288,4 @@ def carry_segments(carries: Sequence[CarryBound | None], prefix_lens: Sequence[i
     if not rows:
         return None
     all_rows = torch.cat(rows)
-    return CarrySegments(all_rows, tuple(parts), int(all_rows.max()) + 1)
+    return CarrySegments(all_rows, tuple(parts), int(all_rows.max()) + 1, shards)

@@ -106,10 +106,40 @@ class TailReplayRequest:
     #: HiCache: the plan's prefix reaches into KV held on the host tier, which SGLang's load-back
     #: brings to the device at admission (`TailReplayRadixCache.init_load_back`); set at every match
     host_load: HostLoad | None = None
+    #: the length of the sequence the last match planned: the prompt, or after a retraction the
+    #: prompt and the output so far (its next token is computed from the last position); None:
+    #: not matched yet (`begin_match`)
+    label_end: int | None = None
+    #: the bound of what the request generated under earlier plans (a retraction re-plans it; the
+    #: tokens it had generated stay in the answer): its label never says less (`begin_match`)
+    earlier_bound: float = 0.0
     #: why the request has no plan after a match that made one (`drop_plan`): the answer's label
     #: kind (`metrics.answer_label`): "assembled" (another wing served it from chunk KV), "untracked"
     #: (what it reads has no known provenance); None while it has a plan or was never matched
     served_as: str | None = None
+
+    @property
+    def strict(self) -> bool:
+        """Whether the request is served strictly (reads only KV and states of bound 0, takes no
+        inexact tree KV at a chunk boundary, is labelled against threshold 0): its config says so
+        (`exactness: "exact"`, or "exact_unless_pressed" not pressed), or it was pressed and its
+        approximate plan was beyond the tolerance, so it was planned as "exact" and is served
+        as a never-pressed request would be."""
+        return self.config.strict or (self.plan is not None and self.plan.pressure == "beyond_tolerance")
+
+    @property
+    def threshold(self) -> float:
+        """The bound up to which what the request reads counts as exact (0 when `strict`)."""
+        return 0.0 if self.strict else self.config.threshold
+
+    def begin_match(self, sequence_len: int) -> None:
+        """A (re-)match of the request's sequence so far (`sequence_len` tokens: its prompt, plus
+        its output after a retraction). Where the previous plan already generated tokens, their
+        bound (the state the first of them came from, which every later one carries) stays in the
+        answer's label (`earlier_bound`), so a re-plan cannot make an answer exact again."""
+        if self.plan is not None and self.label_end is not None and sequence_len > self.label_end:
+            self.earlier_bound = max(self.earlier_bound, answer_bound(self, self.label_end))
+        self.label_end = sequence_len
 
     def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0) -> None:
         """A (re-)match: the new plan and provenance, with the bounds' accumulators emptied."""
@@ -164,6 +194,18 @@ def bounds_of(record: TailReplayRequest | None, start: int, end: int) -> torch.T
     if record is None:
         return torch.zeros(max(end - start, 0), dtype=torch.float32)
     return carried_bounds(record.carry, start, end, record.floor)
+
+
+def answer_bound(record: TailReplayRequest, end: int, logprob_start: int = -1) -> float:
+    """The bound of what an answer computed from the request's sequence [0, end) reads under its
+    current plan: the state at the last position, which its next token is computed from (decode
+    tokens carry it: bounds do not grow), and, where input logprobs are returned from
+    `logprob_start` on, every position from there (computed in this forward: SGLang caps the
+    prefix there). One host sync."""
+    if end <= 0:
+        return 0.0
+    start = logprob_start if 0 <= logprob_start < end else end - 1
+    return float(bounds_of(record, start, end).max())
 
 
 def computed_from(record: TailReplayRequest | None) -> int:

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_ext.env import rust_server
 from sglang_ext.tail_replay.config import AUTO, TailReplayConfig, user_settings
 from sglang_ext.tail_replay.decay_profile import PROFILE_FILE, certified_window
 from sglang_ext.tail_replay.request_fields import RequestLimits
@@ -47,6 +48,8 @@ class ServerFacts:
     hicache_host_memory_mode: str = "cache"
     #: `--hicache-storage-backend` (None: no storage tier)
     hicache_storage_backend: str | None = None
+    #: `SGLANG_RUST_SERVER`: SGLang's Rust HTTP server and tokenizer replace the Python ones
+    rust_server: bool = False
 
 
 def kv_cache_is_quantized(kv_cache_dtype: str) -> bool:
@@ -69,6 +72,13 @@ def request_limits(config: TailReplayConfig, facts: ServerFacts) -> RequestLimit
 
 def check_start(config: TailReplayConfig, facts: ServerFacts) -> list[str]:
     """The summary line(s) for this server, or StartupError for a combination that cannot run."""
+    if facts.rust_server:
+        raise StartupError(
+            "SGLANG_RUST_SERVER (SGLang's Rust HTTP server and tokenizer) cannot run with the extension's cache "
+            "backends: their request checks (a bad field is a 400 naming it; the fields the server sets on its own "
+            "runs are refused from clients) and the other wings' arrival seams run in SGLang's Python tokenizer "
+            "process, which the Rust server replaces, so requests would reach the scheduler unchecked; unset "
+            "SGLANG_RUST_SERVER")
     if facts.hierarchical_cache and facts.hicache_host_memory_mode != "cache":
         raise StartupError(
             f"--hicache-host-memory-mode {facts.hicache_host_memory_mode} cannot run with Tail-Replay's cache: "
@@ -126,7 +136,8 @@ def facts_from_server_args(server_args: Any) -> ServerFacts:
                        model_path=str(getattr(server_args, "model_path", None) or ""),
                        hierarchical_cache=bool(getattr(server_args, "enable_hierarchical_cache", False)),
                        hicache_host_memory_mode=str(getattr(server_args, "hicache_host_memory_mode", None) or "cache"),
-                       hicache_storage_backend=getattr(server_args, "hicache_storage_backend", None) or None)
+                       hicache_storage_backend=getattr(server_args, "hicache_storage_backend", None) or None,
+                       rust_server=rust_server())
 
 
 def check_scheduler_start(ctx: Any, config: TailReplayConfig) -> None:

@@ -22,19 +22,65 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
 
 
+class HeadShards(Protocol):
+    """How the ranks of a tensor-parallel group that each hold a shard of a layer's heads make
+    every bound decision alike: each rank sees only its own heads' gates, so a max over heads
+    taken on one rank differs from the next rank's, and so would every threshold decision read
+    from it (plans, stored bounds, state order). Called in the forward, where every rank of the
+    group runs the same batch and the same layers in the same order."""
+
+    def gather_heads(self, values: torch.Tensor) -> torch.Tensor:
+        """[rows, this rank's heads] -> [rows, every rank's heads], the same on every rank."""
+        ...
+
+    def max_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """[n] -> the elementwise max over the ranks, the same on every rank."""
+        ...
+
+
+@dataclass(frozen=True)
+class DistributedHeadShards:
+    """`HeadShards` over a torch.distributed process group of `size` ranks (SGLang's
+    attention-TP group, whose ranks hold a linear layer's heads in rank order)."""
+
+    group: Any
+    size: int
+
+    def gather_heads(self, values: torch.Tensor) -> torch.Tensor:
+        import torch
+        import torch.distributed as dist
+
+        values = values.contiguous()
+        parts = [torch.empty_like(values) for _ in range(self.size)]
+        dist.all_gather(parts, values, group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def max_rows(self, values: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        out = values.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
+
 @dataclass
 class TailDecay:
     """Per linear layer (SGLang layer id): the summed log-decay [heads] (fp32) of the request's
-    replayed tail seen so far, and how many tail tokens the sum covers. Mutated only by `add`."""
+    replayed tail seen so far, and how many tail tokens the sum covers. Mutated only by `add`.
+
+    Under tensor parallelism the sums hold every rank's heads (`BoundSegments.shards`), so every
+    rank computes the same bound; `local_heads` keeps this rank's heads only, for a consumer that
+    applies them per head to this rank's state shard (a chunk's transition, captured for another wing)."""
 
     sums: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
+    local_heads: bool = False
 
     def add(self, layer: int, log_decay_sum: torch.Tensor, tokens: int) -> None:
         if layer in self.sums:
@@ -68,21 +114,28 @@ class BoundSegments:
     decays: tuple[TailDecay, ...]
     counts: tuple[int, ...]
     end: int
+    #: the tensor-parallel ranks holding the other heads (None: this rank holds every head)
+    shards: HeadShards | None = field(default=None, compare=False)
 
     def accumulate(self, layer: int, log_decay_rows: torch.Tensor) -> None:
         """log_decay_rows [n, heads]: the log-decay of `rows` (in that order) at `layer`; adds each
-        request's sum into its TailDecay (one segment sum, on the tensor's device)."""
+        request's sum into its TailDecay (one segment sum, on the tensor's device; under tensor
+        parallelism one gather of the sums over the ranks' heads, unless every decay keeps
+        `local_heads`)."""
         import torch
 
         values = log_decay_rows.float()
         sums = torch.zeros(len(self.decays), values.shape[-1], dtype=torch.float32, device=values.device)
         sums.index_add_(0, self.segment.to(values.device), values)
+        every = sums
+        if self.shards is not None and not all(decay.local_heads for decay in self.decays):
+            every = self.shards.gather_heads(sums)
         for i, (decay, count) in enumerate(zip(self.decays, self.counts)):
-            decay.add(layer, sums[i], count)
+            decay.add(layer, sums[i] if decay.local_heads else every[i], count)
 
 
 def bound_segments(tails: Sequence[tuple[TailDecay, int, int] | None], prefix_lens: Sequence[int],
-                   extend_lens: Sequence[int]) -> BoundSegments | None:
+                   extend_lens: Sequence[int], shards: HeadShards | None = None) -> BoundSegments | None:
     """The batch's replayed-tail rows. tails[i]: (the request's TailDecay, first and one-past-last
     position of its replayed tail), or None (no approximate replay); prefix_lens / extend_lens: the
     requests' extend segments in batch order. None when no row of the batch is in a tail."""
@@ -106,7 +159,7 @@ def bound_segments(tails: Sequence[tuple[TailDecay, int, int] | None], prefix_le
     if not rows:
         return None
     all_rows = torch.cat(rows)
-    return BoundSegments(all_rows, torch.cat(segment), tuple(decays), tuple(counts), int(all_rows[-1]) + 1)
+    return BoundSegments(all_rows, torch.cat(segment), tuple(decays), tuple(counts), int(all_rows[-1]) + 1, shards)
 
 
 def gdn_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,11 @@ class StateEvictionOrder:
             self._stock_shadow = StockStateShadow(getattr(allocator, "size", None))
         return self._stock_shadow
 
+    def forget_stock_shadow(self) -> None:
+        """The tree was reset (`/flush_cache`): stock's would be empty too, and the shadow's
+        nodes are gone. May mutate: the shadow (dropped; made anew on next use)."""
+        self._stock_shadow = None
+
     def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
         """Stock's insert of the same state makes it its most recently used. May mutate: the shadow,
         and what the next classes' inserts do."""

@@ -127,6 +127,14 @@ def test_pressed_beyond_the_tolerance_stays_exact():
     exact = refused(plan_replay(300, None, 1, fallback), plan)
     assert (exact.kind, exact.prefix_len, exact.pressure) == (HitKind.MISS, 0, "beyond_tolerance")
     assert exact.planned_bound == pytest.approx(0.9 ** 64)
+    # ... and the request is then served as a never-pressed one: strictly (no inexact tree KV
+    # taken at a chunk boundary), labelled against threshold 0
+    record = TailReplayRequest(config=tight)
+    assert not record.strict and record.threshold == tight.exact_threshold
+    record.set_plan(exact)
+    assert record.strict and record.threshold == 0.0
+    record.set_plan(plan_replay(300, None, 1, _pressed()))   # within the tolerance: approximate
+    assert not record.strict
 
 
 def test_pressed_without_a_decay_profile_is_certified_only_to_one():

@@ -189,3 +189,19 @@ def test_repair_kind_is_checked_and_only_the_server_sets_it():
     with pytest.raises(TailReplayConfigError, match="'repair_shared'.*wrong type"):
         config_from_dict({"repair_shared": "yes"})
     assert config_from_dict({"repair_shared": False}).repair_shared is False
+
+
+@pytest.mark.parametrize("field", ["image_data", "video_data", "audio_data", "input_embeds"])
+def test_a_request_whose_input_is_not_in_its_ids_is_never_repaired(field):
+    """A repair re-sends the scheduler's token ids: for a multimodal request (placeholder tokens)
+    or embeddings they are not its input, and the run would store other KV as exact under the
+    same key. A session turn's ids are its whole history: repaired as any request."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    plain = GenerateReqInput(input_ids=[5, 6, 7], extra_key="t")
+    assert tail_replay_audit.repair_request(None, "r1", [5, 6, 7, 8], plain).input_ids == [5, 6, 7, 8]
+    session = GenerateReqInput(input_ids=[7], session_params={"id": "s"})
+    assert tail_replay_audit.repair_request(None, "r2", [5, 6, 7, 8], session, "shared_state") is not None
+    other = SimpleNamespace(**{field: [[0.5]] if field == "input_embeds" else ["x.png"]}, input_ids=[1, 2])
+    assert tail_replay_audit.repair_request(None, "r3", [1, 2, 3], other) is None
+    assert tail_replay_audit.reference_request(None, "r4", session) is None   # the audit's own guard stays

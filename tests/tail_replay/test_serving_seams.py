@@ -157,3 +157,47 @@ def test_an_answer_without_a_plan_is_labelled_not_exact_with_the_reason():
         assert answer_label(dropped, 40)["kind"] == "untracked"
         dropped.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 16, 16, 16))   # a re-match plans it again
         assert answer_label(dropped, 40) == replay_summary(dropped, 40) and dropped.served_as is None
+
+
+def _label(record, prompt_len, logprob_start=-1):
+    with get_parallel().override(attn_tp_rank=0, attn_tp_size=1, attn_cp_rank=0, attn_cp_size=1, tp_size=1,
+                                 moe_tp_size=1, moe_ep_size=1, moe_dp_size=1, pp_rank=0, pp_size=1):
+        return answer_label(record, prompt_len, logprob_start)
+
+
+def test_a_retracted_request_is_labelled_by_its_last_match_and_never_becomes_exact_again():
+    """A retracted request is matched again over its prompt and the output so far: its label
+    reads the bound where that match ended (not the last prompt position), and keeps the bound of
+    what it generated under its earlier plan, so a stream that said false never says true."""
+    config = TailReplayConfig(exactness="approximate")
+    exact_then_approximate = TailReplayRequest(config=config)
+    exact_then_approximate.begin_match(101)
+    exact_then_approximate.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 100, 100, 100))
+    assert _label(exact_then_approximate, 101)["exact"] is True
+    exact_then_approximate.begin_match(105)   # retracted after 4 tokens; re-planned past the prompt
+    exact_then_approximate.set_plan(ReplayPlan(HitKind.APPROXIMATE, 104, 102, 102), CarryBound(102, math.log(0.5)))
+    label = _label(exact_then_approximate, 101)
+    assert label["exact"] is False and label["bound"] == pytest.approx(0.5)   # read at 104, not at 100
+    approximate_then_exact = TailReplayRequest(config=config)
+    approximate_then_exact.begin_match(101)
+    approximate_then_exact.set_plan(ReplayPlan(HitKind.APPROXIMATE, 100, 90, 90), CarryBound(90, math.log(0.25)))
+    assert _label(approximate_then_exact, 101)["exact"] is False
+    approximate_then_exact.begin_match(105)
+    approximate_then_exact.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 104, 104, 104))
+    label = _label(approximate_then_exact, 101)
+    assert label["exact"] is False and label["bound"] == pytest.approx(0.25)   # its first tokens were approximate
+
+
+def test_input_logprobs_are_labelled_by_every_position_they_read():
+    """Input logprobs from `logprob_start_len` on are computed from the states there, whose
+    bounds are larger than the last position's (bounds shrink along a replay)."""
+    import torch
+
+    record = TailReplayRequest(config=TailReplayConfig(exactness="approximate"))
+    record.begin_match(101)
+    carry = CarryBound(60, 0.0)
+    carry.add_rows(3, 60, torch.full((41, 2), -0.1))
+    record.set_plan(ReplayPlan(HitKind.APPROXIMATE, 100, 60, 60), carry)
+    assert _label(record, 101)["bound"] == pytest.approx(math.exp(-4.1), rel=1e-5)
+    record.output_bound = None   # (computed once per plan: a fresh look with input logprobs)
+    assert _label(record, 101, logprob_start=70)["bound"] == pytest.approx(math.exp(-1.1), rel=1e-5)

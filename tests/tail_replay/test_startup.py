@@ -145,3 +145,19 @@ def test_server_config_is_parsed_once_per_process(monkeypatch, tmp_path):
     monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, '{"budget": 0.125}')
     assert server_config().budget == 0.125
     config_module._parsed.cache_clear()
+
+
+@pytest.mark.parametrize("value, refused", [("1", True), ("True", True), ("y", True), ("0", False), ("", False)])
+def test_sglangs_rust_server_is_refused_naming_the_variable(monkeypatch, value, refused):
+    """SGLang's Rust HTTP server and tokenizer replace the Python tokenizer process where the
+    request checks run: requests would reach the scheduler unchecked, so the server does not start."""
+    from sglang_ext.tail_replay.startup import facts_from_server_args
+
+    monkeypatch.setenv("SGLANG_RUST_SERVER", value)
+    facts = facts_from_server_args(SimpleNamespace(kv_cache_dtype="auto", model_path=""))
+    assert facts.rust_server is refused
+    if refused:
+        with pytest.raises(StartupError, match="SGLANG_RUST_SERVER"):
+            check_start(TailReplayConfig(), facts)
+    else:
+        assert check_start(TailReplayConfig(), facts)

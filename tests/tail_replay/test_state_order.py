@@ -342,3 +342,20 @@ def test_a_shared_state_repair_holds_stocks_branch_state_in_the_shadow():
     tr.run(STEMS[1][:20] + list(range(7200, 7208)))           # approximate, branched nowhere
     assert plan_of(other).kind is HitKind.MISS
     assert _shadow_depths(tr) == [16, 28, 28, 40]
+
+
+def test_a_flushed_tree_forgets_the_stock_shadow_and_the_sessions_provenance():
+    """`/flush_cache` (SGLang's full reset) rebuilds the tree and the session slots: the stock
+    shadow (its nodes are gone; stock's tree would be empty) and the streaming sessions'
+    provenance (a stale entry would label a new slot of the same session id) go too."""
+    tr = Server(CONFIG, mamba_size=8)
+    tr.run(STEMS[0])
+    assert _shadow_depths(tr) == [40]
+    tr.cache.session_provenance()["s"] = object()
+    tr.cache.reset()   # as the scheduler's flush does, with its pools
+    tr.pool.clear()
+    tr.alloc.clear()
+    assert tr.cache.session_provenance() == {}
+    assert tr.cache.components[MAMBA].stock_shadow.in_order() == []
+    tr.run(STEMS[0])
+    assert _shadow_depths(tr) == [40]
