@@ -7,7 +7,10 @@ observation per /generate request (a plain dict, JSON-ready):
      "tenant": [extra_key, cache_salt], "ids": the full context the model saw, "new": max new tokens,
      "output_ids": [...], "logprobs": [...] (output tokens), "cached_tokens": int | None,
      "details": meta_info["cached_tokens_details"] or {}, "tail_replay": the request's overrides,
-     "chunked": bool, "completed": the answer has all its tokens, "round": r, "error": str | None}
+     "chunked": bool, "completed": the answer has all its tokens, "round": r, "error": str | None,
+     "answered": a whole /generate answer was read (not a cut stream), "paths": the op's paths,
+     "logprob_start": where input logprobs start (-1: none), "input_logprobs": [...],
+     "expect": "refused" for a turn that must be refused (another tenant's session turn)}
 
 A session turn's `ids` is the session's context (earlier turns' prompts and answers, then its own
 ids), as SGLang's streaming session builds it; an aborted turn leaves the context as it was.
@@ -32,15 +35,20 @@ def _tenant_fields(tenant: list) -> dict:
     return {**({"extra_key": extra_key} if extra_key else {}), **({"cache_salt": salt} if salt else {})}
 
 
-def _params(new: int, overrides: dict | None, linearkv: dict | None = None) -> dict:
+def _params(new: int, overrides: dict | None, linearkv: dict | None = None, n: int = 1) -> dict:
     custom = {**({"tail_replay": overrides} if overrides else {}), **({"linearkv": linearkv} if linearkv else {})}
-    return {"max_new_tokens": new, "temperature": 0, "ignore_eos": True, **({"custom_params": custom} if custom else {})}
+    return {"max_new_tokens": new, "temperature": 0, "ignore_eos": True, **({"n": n} if n > 1 else {}),
+            **({"custom_params": custom} if custom else {})}
 
 
 def _obs(op: dict, part: int, ids: list[int], new: int, overrides: dict | None, **fields) -> dict:
+    from eval.fuzz.workload import paths_of
+
     base = {"op": op["index"], "part": part, "kind": op["op"], "status": 0, "tenant": op["tenant"], "ids": ids,
             "new": new, "output_ids": [], "logprobs": [], "cached_tokens": None, "details": {},
-            "tail_replay": overrides, "chunked": "linearkv" in op, "completed": False, "error": None}
+            "tail_replay": overrides, "chunked": "linearkv" in op, "completed": False, "error": None,
+            "answered": False, "paths": paths_of(op), "logprob_start": op.get("logprob_start", -1),
+            "input_logprobs": [], "prefix_end": op["linearkv"]["chunks"][0][0] if "linearkv" in op else 0}
     return {**base, **fields}
 
 
@@ -51,6 +59,8 @@ def _fill(obs: dict, resp: requests.Response, item: dict | None = None) -> dict:
         return obs
     item = item if item is not None else resp.json()
     meta = item.get("meta_info") or {}
+    obs["answered"] = True
+    obs["input_logprobs"] = [x[0] for x in meta.get("input_token_logprobs") or () if x[0] is not None]
     obs["output_ids"] = list(item.get("output_ids") or ())
     obs["logprobs"] = [x[0] for x in meta.get("output_token_logprobs") or ()]
     obs["cached_tokens"] = meta.get("cached_tokens")
@@ -93,10 +103,17 @@ def _generate(url: str, op: dict, context: Callable[[int], list[int] | None]) ->
         if prev is None:
             return []   # the conversation it continues has no answer
         ids = prev + ids
-    obs = _obs(op, 0, ids, op["new"], op["tail_replay"])
+    n = op.get("n", 1)
     payload = {"input_ids": ids, "return_logprob": True, **_tenant_fields(op["tenant"]),
-               "sampling_params": _params(op["new"], op["tail_replay"], op.get("linearkv"))}
-    return [_fill(obs, _post(url, payload))]
+               "sampling_params": _params(op["new"], op["tail_replay"], op.get("linearkv"), n)}
+    if "logprob_start" in op:
+        payload["logprob_start_len"] = op["logprob_start"]
+    resp = _post(url, payload)
+    obs = [_obs(op, j, ids, op["new"], op["tail_replay"]) for j in range(n)]
+    if n == 1:
+        return [_fill(obs[0], resp)]
+    items = resp.json() if resp.status_code == 200 else [None] * n
+    return [_fill(o, resp, item) for o, item in zip(obs, items, strict=True)]
 
 
 def _batch(url: str, op: dict) -> list[dict]:
@@ -142,6 +159,35 @@ def _session(url: str, op: dict) -> list[dict]:
     return out
 
 
+def _foreign_session(url: str, op: dict) -> list[dict]:
+    """The owner's turn, another tenant's turn with the session's id (expected: refused), the
+    owner's next turn (its context: the owner's turns only)."""
+    sid = f"fuzz-{op['index']}-{uuid.uuid4().hex[:8]}"
+    resp = requests.post(f"{url}/open_session", json={"capacity_of_str_len": 1 << 20, "session_id": sid,
+                                                      "streaming": True}, timeout=60)
+    if resp.status_code != 200:
+        return [_obs(op, 0, list(op["turns"][0]["ids"]), 0, None, status=resp.status_code, error=resp.text[:400])]
+    out, context = [], []
+    try:
+        for j, turn in enumerate(op["turns"]):
+            tenant = turn.get("tenant", op["tenant"])
+            foreign = "tenant" in turn
+            ids = (list(turn["ids"]) if foreign else context + list(turn["ids"]))
+            payload = {"input_ids": turn["ids"], "session_params": {"id": sid}, **_tenant_fields(tenant),
+                       "return_logprob": True, "sampling_params": _params(turn["new"], turn["tail_replay"])}
+            obs = _obs(op, j, ids, turn["new"], turn["tail_replay"], tenant=list(tenant),
+                       **({"expect": "refused"} if foreign else {}))
+            obs = _fill(obs, _post(url, payload))
+            out.append(obs)
+            if not foreign:
+                if obs["status"] != 200:
+                    break
+                context = ids + obs["output_ids"]
+    finally:
+        requests.post(f"{url}/close_session", json={"session_id": sid}, timeout=60)
+    return out
+
+
 def run_op(url: str, op: dict, context: Callable[[int], list[int] | None]) -> list[dict]:
     """Send one op; never raises for HTTP or protocol errors (status 0 and the error instead)."""
     try:
@@ -153,6 +199,8 @@ def run_op(url: str, op: dict, context: Callable[[int], list[int] | None]) -> li
             return _abort(url, op)
         if op["op"] == "session":
             return _session(url, op)
+        if op["op"] == "foreign_session":
+            return _foreign_session(url, op)
     except requests.Timeout as err:
         return [_obs(op, 0, list(op.get("ids") or []), 0, None, error=f"timeout: no answer in {TIMEOUT_S:.0f} s ({err})"[:400])]
     except (requests.RequestException, ValueError) as err:

@@ -4,18 +4,23 @@ reference answers come in as a function.
 1. `exactness_violations`: an answer whose meta_info says it is exact (`kv_exact` in the
    `tail_replay` block where the server reports it, else `exact`; every answer of SGLang's own
    cache, the control, with `all_exact`), or one whose request asked for `exactness: "exact"`
-   (without a chunk layout), has the greedy tokens of a server without cache and its output
-   logprobs within `tolerance`. A part of a batch request may instead agree with the server
+   (chunk layouts included: such a request is never assembled), has the greedy tokens of a
+   server without cache and its output logprobs, and the input logprobs it asked for, within
+   `tolerance`. A part of a batch request may instead agree with the server
    without cache asked the same batch (SGLang's CPU path computes a batch's parts together, and
    their logprobs move with the batch: by 1.4e-4 in the fuzzer's long run, on the server without
    cache as on any cache).
 2. `tenancy_violations`: a request's cached tokens never exceed the longest common prefix of its ids
    with a sequence (prompt + answer) its own tenant (`extra_key`, `cache_salt`) sent before or
-   alongside it: nothing another tenant cached is reused. (Chunked LinearKV requests reuse their
-   own registrations and are not checked.)
+   alongside it: nothing another tenant cached is reused. A chunked LinearKV request may add
+   what it registered itself on arrival: its prefix P and the chunk tokens it reports reused.
 3. and 4. `log_violations`: SGLang's strict idle pool check and tree sanity check (their errors
-   reach the log), tracebacks, and `status_violations`: 5xx answers and requests a hung server
-   never answered.
+   reach the log), tracebacks, and `status_violations`: 5xx answers, requests a hung server
+   never answered, a 4xx to a valid request (except the documented refusals, `REFUSALS`), and a
+   turn of another tenant's session that was not refused with a 400 naming the field.
+5. `label_violations` (servers of the extension): every whole answer carries one label
+   (`cached_tokens_details.tail_replay` with `kind`, `exact`, `kv_exact`, `bound`), consistent:
+   `kv_exact` implies `exact`, `kv_exact` is `bound == 0`, an unknown bound is not exact.
 
 A violation is a dict: {"oracle", "op", "part", "round", "detail"}.
 """
@@ -49,8 +54,15 @@ def exactness_claim(details: dict) -> bool | None:
     return None
 
 
+#: 400s a valid request may get by design (the server says why it cannot honour it): an
+#: `exactness: "exact"` turn of a streaming session whose earlier turns were not strictly exact
+REFUSALS = ("cannot be honoured in streaming session",)
+#: the words a refused turn of another tenant's session must carry (`sglang_ext.session_tenancy`)
+FOREIGN_TURN_REFUSAL = re.compile(r"this turn's (extra_key|cache_salt|lora_path)")
+
+
 def asked_exact(obs: dict) -> bool:
-    return bool(obs.get("tail_replay")) and obs["tail_replay"].get("exactness") == "exact" and not obs["chunked"]
+    return bool(obs.get("tail_replay")) and obs["tail_replay"].get("exactness") == "exact"
 
 
 def claimed(obs: dict, all_exact: bool = False) -> bool | None:
@@ -79,17 +91,25 @@ def _violation(oracle: str, obs: dict, detail: dict) -> dict:
 Answer = tuple[list[int], list[float]]
 
 
+def read_logprobs(obs: dict) -> list[float]:
+    """What an answer's logprobs are compared by: the input logprobs it asked for, then its output
+    logprobs (a reference asked with the same `logprob_start` gives the same layout)."""
+    return list(obs.get("input_logprobs") or ()) + list(obs["logprobs"])
+
+
 def _agrees(obs: dict, answer: Answer, tolerance: float) -> bool:
     ids, lp = answer
-    return obs["output_ids"] == ids and max((abs(a - b) for a, b in zip(obs["logprobs"], lp, strict=False)),
-                                            default=0.0) <= tolerance
+    mine = read_logprobs(obs)
+    return obs["output_ids"] == ids and len(mine) == len(lp) and max(
+        (abs(a - b) for a, b in zip(mine, lp, strict=True)), default=0.0) <= tolerance
 
 
-def exactness_violations(observations: Iterable[dict], reference: Callable[[list[int], int], Answer],
-                         tolerance: float, recheck: Callable[[list[int], int], Answer] | None = None,
+def exactness_violations(observations: Iterable[dict], reference: Callable[[list[int], int, int], Answer],
+                         tolerance: float, recheck: Callable[[list[int], int, int], Answer] | None = None,
                          same_batch: dict[tuple, Answer] | None = None, all_exact: bool = False) -> list[dict]:
-    """`reference(ids, new) -> (output ids, output logprobs)` of a server without cache (answers
-    asked side by side); `recheck`: the same server asked once more, alone. A disagreement that the
+    """`reference(ids, new, logprob_start) -> (output ids, input logprobs from logprob_start (none
+    for -1) then output logprobs)` of a server without cache (answers asked side by side);
+    `recheck`: the same server asked once more, alone. A disagreement that the
     recheck does not confirm (the server without cache answered differently alone than in a
     batch) is reported as oracle "reference unstable", not as a cache's violation. `same_batch`:
     per batch part (`batch_key`), the server without cache's answer to the same batch request;
@@ -99,11 +119,12 @@ def exactness_violations(observations: Iterable[dict], reference: Callable[[list
         if same_batch is not None and obs["kind"] == "batch" and batch_key(obs) in same_batch \
                 and _agrees(obs, same_batch[batch_key(obs)], tolerance):
             continue
-        ref_ids, ref_lp = reference(obs["ids"], len(obs["output_ids"]))
+        start = obs.get("logprob_start", -1)
+        ref_ids, ref_lp = reference(obs["ids"], len(obs["output_ids"]), start)
         claim = claimed(obs, all_exact)
         why = "meta_info says exact" if claim else "asked exactness: exact"
         if not _agrees(obs, (ref_ids, ref_lp), tolerance) and recheck is not None:
-            alone = recheck(obs["ids"], len(obs["output_ids"]))
+            alone = recheck(obs["ids"], len(obs["output_ids"]), start)
             if _agrees(obs, alone, tolerance):
                 out.append(_violation("reference unstable", obs, {
                     "why": why, "batched_reference_ids": ref_ids, "alone_reference_ids": alone[0],
@@ -117,8 +138,8 @@ def exactness_violations(observations: Iterable[dict], reference: Callable[[list
                                                      "output_ids": obs["output_ids"], "reference_ids": ref_ids,
                                                      "cached_tokens": obs["cached_tokens"], "details": obs["details"]}))
             continue
-        diff = max((abs(a - b) for a, b in zip(obs["logprobs"], ref_lp, strict=False)), default=0.0)
-        if diff > tolerance:
+        diff = max((abs(a - b) for a, b in zip(read_logprobs(obs), ref_lp, strict=False)), default=0.0)
+        if diff > tolerance or len(read_logprobs(obs)) != len(ref_lp):
             out.append(_violation("exactness", obs, {"why": why, "claim": claim, "max_logprob_diff": diff,
                                                      "tolerance": tolerance, "cached_tokens": obs["cached_tokens"],
                                                      "details": obs["details"]}))
@@ -143,7 +164,7 @@ def tenancy_violations(observations: list[dict]) -> list[dict]:
         by_round.setdefault(o.get("round", 0), []).append(o)
     out = []
     for obs in observations:
-        if obs["chunked"] or obs["status"] != 200 or not obs["cached_tokens"]:
+        if obs["status"] != 200 or not obs["cached_tokens"]:
             continue
         tenant = tuple(obs["tenant"])
         allowed = 0
@@ -158,6 +179,9 @@ def tenancy_violations(observations: list[dict]) -> list[dict]:
                 if n == len(seq) and not other["completed"]:
                     n += other["new"]
                 allowed = max(allowed, n)
+        if obs["chunked"]:   # its own registrations (on arrival, in its tenant's chunk namespace)
+            chunked = (obs["details"] or {}).get("linearkv") or {}
+            allowed = max(allowed, obs.get("prefix_end", 0)) + int(chunked.get("reused_tokens") or 0)
         if obs["cached_tokens"] > allowed:
             out.append(_violation("tenancy", obs, {"tenant": list(tenant), "cached_tokens": obs["cached_tokens"],
                                                    "own_tenant_prefix": allowed}))
@@ -168,8 +192,39 @@ def status_violations(observations: Iterable[dict]) -> list[dict]:
     """5xx answers (a 400 is a refusal, allowed; status 0 of an op cut on purpose is the client's)
     and requests without an answer (`eval.fuzz.client.TIMEOUT_S`: a hung server)."""
     out = [_violation("5xx", o, {"status": o["status"], "error": o["error"]}) for o in observations if o["status"] >= 500]
-    return out + [_violation("no answer", o, {"error": o["error"]}) for o in observations
-                  if o["status"] == 0 and (o["error"] or "").startswith("timeout")]
+    out += [_violation("no answer", o, {"error": o["error"]}) for o in observations
+            if o["status"] == 0 and (o["error"] or "").startswith("timeout")]
+    for o in observations:
+        if o.get("expect") == "refused":
+            if o["status"] != 400 or not FOREIGN_TURN_REFUSAL.search(o["error"] or ""):
+                out.append(_violation("tenancy", o, {"why": "another tenant's session turn was not refused naming "
+                                                     "the field", "status": o["status"], "error": o["error"],
+                                                     "cached_tokens": o["cached_tokens"]}))
+        elif 400 <= o["status"] < 500 and not any(r in (o["error"] or "") for r in REFUSALS):
+            out.append(_violation("4xx", o, {"status": o["status"], "error": o["error"]}))
+    return out
+
+
+LABEL_KEYS = ("kind", "exact", "kv_exact", "bound")
+
+
+def label_violations(observations: Iterable[dict]) -> list[dict]:
+    """Whole answers (not cut streams) of a server of the extension without one consistent label
+    (see the module doc)."""
+    out = []
+    for o in observations:
+        if o["status"] != 200 or not o.get("answered"):
+            continue
+        label = (o["details"] or {}).get("tail_replay")
+        if not isinstance(label, dict) or any(key not in label for key in LABEL_KEYS):
+            out.append(_violation("label", o, {"why": "no label", "details": o["details"]}))
+            continue
+        exact, kv_exact, bound = label["exact"], label["kv_exact"], label["bound"]
+        wrong = (kv_exact and not exact) or (bound is None and (exact or kv_exact)) \
+            or (bound is not None and kv_exact != (bound == 0.0))
+        if wrong:
+            out.append(_violation("label", o, {"why": "inconsistent label", "label": label}))
+    return out
 
 
 def log_violations(log_text: str) -> list[dict]:

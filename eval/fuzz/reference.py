@@ -14,19 +14,25 @@ NOISE_FACTOR = 10.0
 
 
 class NoCacheReference:
-    """`ref(ids, new) -> (output ids, output logprobs)`: greedy, EOS ignored."""
+    """`ref(ids, new, logprob_start=-1) -> (output ids, logprobs)`: greedy, EOS ignored; the
+    logprobs are the input logprobs from `logprob_start` (none for -1) then the output logprobs
+    (`oracles.read_logprobs` lays a cached answer out the same way)."""
 
     def __init__(self, url: str):
         self.url = url
-        self.answers: dict[tuple[tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+        self.answers: dict[tuple[tuple[int, ...], int, int], tuple[list[int], list[float]]] = {}
 
-    def ask(self, ids: list[int], new: int) -> tuple[list[int], list[float]]:
+    def ask(self, ids: list[int], new: int, logprob_start: int = -1) -> tuple[list[int], list[float]]:
         payload = {"input_ids": list(ids), "return_logprob": True,
                    "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+        if logprob_start >= 0:
+            payload["logprob_start_len"] = logprob_start
         resp = requests.post(f"{self.url}/generate", json=payload, timeout=600)
         resp.raise_for_status()
         out = resp.json()
-        return list(out["output_ids"]), [x[0] for x in out["meta_info"]["output_token_logprobs"]]
+        meta = out["meta_info"]
+        read = [x[0] for x in meta.get("input_token_logprobs") or () if x[0] is not None] if logprob_start >= 0 else []
+        return list(out["output_ids"]), read + [x[0] for x in meta["output_token_logprobs"]]
 
     def ask_batch(self, prompts: list[list[int]], new: int) -> list[tuple[list[int], list[float]]]:
         """The same batch request as a client's (one /generate with a list of prompts)."""
@@ -37,17 +43,18 @@ class NoCacheReference:
         return [(list(item["output_ids"]), [x[0] for x in item["meta_info"]["output_token_logprobs"]])
                 for item in resp.json()]
 
-    def __call__(self, ids: list[int], new: int) -> tuple[list[int], list[float]]:
-        key = (tuple(ids), new)
+    def __call__(self, ids: list[int], new: int, logprob_start: int = -1) -> tuple[list[int], list[float]]:
+        key = (tuple(ids), new, logprob_start)
         if key not in self.answers:
-            self.answers[key] = self.ask(ids, new)
+            self.answers[key] = self.ask(ids, new, logprob_start)
         return self.answers[key]
 
-    def prefetch(self, items: list[tuple[list[int], int]], concurrency: int = 4) -> None:
-        """Ask for several answers side by side (the server batches them)."""
-        todo = list({(tuple(ids), new) for ids, new in items} - set(self.answers))
+    def prefetch(self, items: list[tuple[list[int], int, int]], concurrency: int = 4) -> None:
+        """Ask for several answers (ids, new tokens, logprob start) side by side (the server
+        batches them)."""
+        todo = list({(tuple(ids), new, start) for ids, new, start in items} - set(self.answers))
         with ThreadPoolExecutor(concurrency) as pool:
-            for key, answer in zip(todo, pool.map(lambda k: self.ask(list(k[0]), k[1]), todo), strict=True):
+            for key, answer in zip(todo, pool.map(lambda k: self.ask(list(k[0]), k[1], k[2]), todo), strict=True):
                 self.answers[key] = answer
 
 

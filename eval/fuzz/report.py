@@ -8,6 +8,11 @@ from collections import Counter
 from pathlib import Path
 
 
+#: the request paths the report counts (`eval.fuzz.workload.paths_of`)
+PATHS = ("plain", "continuation", "chunked", "input_logprobs", "n_gt_1", "long_decode", "batch", "abort",
+         "session", "foreign_session")
+
+
 def _violation_line(name: str, v: dict) -> str:
     detail = dict(v.get("detail") or {})
     detail.pop("excerpt", None)
@@ -48,6 +53,12 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {c['arch']} | {len(c['seeds'])} | {c['ops']} | {c['requests']} | "
                      f"{json.dumps(c['statuses'])} | {json.dumps(c['claims'])} | "
                      f"{json.dumps(dict(by_oracle)) if by_oracle else 0} | {c['wall_s']} |")
+    lines += ["", "## Per request path (requests / violations)", "",
+              "| config | " + " | ".join(PATHS) + " |", "|---|" + "---:|" * len(PATHS)]
+    for name, c in report["configs"].items():
+        paths = c.get("paths") or {}
+        lines.append(f"| {name} | " + " | ".join(
+            f"{paths[p]['requests']} / {paths[p]['violations']}" if p in paths else "-" for p in PATHS) + " |")
     tp2 = report.get("tp2")
     lines += ["", "## `--tp 2` on the CPU path", ""]
     if tp2 is None:

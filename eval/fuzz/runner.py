@@ -24,6 +24,7 @@ from eval.fuzz.oracles import (
     exactness_claim,
     exactness_targets,
     exactness_violations,
+    label_violations,
     log_violations,
     status_violations,
     tenancy_violations,
@@ -94,11 +95,28 @@ def same_batch_answers(observations: list[dict], reference: NoCacheReference, al
 def check(observations: list[dict], reference: NoCacheReference, tolerance: float, all_exact: bool = False) -> list[dict]:
     """Every oracle over one seed's observations; `all_exact`: the server is SGLang's own cache (the
     control), whose every answer must equal the server without cache's."""
-    reference.prefetch([(o["ids"], len(o["output_ids"])) for o in exactness_targets(observations, all_exact)])
+    reference.prefetch([(o["ids"], len(o["output_ids"]), o.get("logprob_start", -1))
+                        for o in exactness_targets(observations, all_exact)])
     return (exactness_violations(observations, reference, tolerance, recheck=reference.ask,
                                  same_batch=same_batch_answers(observations, reference, all_exact), all_exact=all_exact)
             + tenancy_violations(observations)
-            + status_violations(observations))
+            + status_violations(observations)
+            + ([] if all_exact else label_violations(observations)))
+
+
+def path_counts(observations: list[dict], violations: list[dict], ops_by_index: dict[int, dict]) -> dict:
+    """Per request path (`workload.paths_of`): {"requests", "violations"}."""
+    from eval.fuzz.workload import paths_of
+
+    out: dict[str, dict[str, int]] = {}
+    for o in observations:
+        for path in o.get("paths") or ():
+            out.setdefault(path, {"requests": 0, "violations": 0})["requests"] += 1
+    for v in violations:
+        op = ops_by_index.get(v.get("op"))
+        for path in paths_of(op) if op is not None else ("server",):
+            out.setdefault(path, {"requests": 0, "violations": 0})["violations"] += 1
+    return out
 
 
 def _closure_ops(workload: Workload, observations: list[dict], in_flight: list[dict]) -> list[dict]:
@@ -129,10 +147,12 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
                 tolerance: float, concurrency: int = 4, shrink_budget: int = 8, max_shrinks: int = 4,
                 deadline: float | None = None, restart: Callable[[], None] | None = None,
                 all_exact: bool = False) -> dict:
-    """Returns {"seeds", "ops", "requests", "statuses", "claims", "violations", "wall_s"}; each
+    """Returns {"seeds", "ops", "requests", "statuses", "claims", "paths" (per request path: requests
+    and violations), "violations", "wall_s"}; each
     violation carries its seed and, where shrunk, its reproduction. `all_exact`: the server is
     SGLang's own cache (the control): every answer is checked against the server without cache."""
     t0 = time.monotonic()
+    paths: dict[str, dict[str, int]] = {}
     statuses: Counter = Counter()
     claims: Counter = Counter()
     violations: list[dict] = []
@@ -156,7 +176,7 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
             flush(server.url)
             run_ops(server.url, workload.rounds, after_round=alive, observations=observations)
             before = idle_check_seconds(server.url)
-            wait_for_idle_check(server, before)
+            idle_checked = wait_for_idle_check(server, before)
         except (ServerDied, requests.RequestException) as err:
             log = server.log_text()[log_start:]
             last = max((o["round"] for o in observations), default=-1) + 1
@@ -180,6 +200,10 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
         claims.update(str(exactness_claim(o["details"])) for o in observations if o["status"] == 200)
         found = check(observations, reference, tolerance, all_exact)
         found += log_violations(server.log_text()[log_start:])
+        if not idle_checked:
+            found.append({"oracle": "idle check", "op": None, "part": None, "round": None, "kind": None,
+                          "detail": {"error": "SGLang's idle pool and tree check did not run within 60 s of the "
+                                              "seed's last answer (a request still running, or a stuck scheduler)"}})
         for v in found:
             v["seed"] = v.get("seed", seed)
             sig = _signature(v, ops_by_index)
@@ -194,5 +218,10 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
                 v["reproduction"] = {"seed": seed, "round": v["round"], "ops": [ops_by_index[v["op"]]],
                                      "note": "not shrunk (a violation of this kind was shrunk already)"}
         violations += found
+        for path, counts in path_counts(observations, found, ops_by_index).items():
+            total = paths.setdefault(path, {"requests": 0, "violations": 0})
+            total["requests"] += counts["requests"]
+            total["violations"] += counts["violations"]
     return {"seeds": done_seeds, "ops": n_ops_sent, "requests": n_requests, "statuses": dict(statuses),
-            "claims": dict(claims), "violations": violations, "wall_s": round(time.monotonic() - t0, 1)}
+            "claims": dict(claims), "paths": paths, "violations": violations,
+            "wall_s": round(time.monotonic() - t0, 1)}

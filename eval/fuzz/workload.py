@@ -10,7 +10,12 @@ op's prompt and answer at run time). Op kinds (`op`):
 * `batch`: one request carrying several prompts (SGLang's batch path);
 * `abort`: a streamed request cut mid-decode, by a dropped connection or `/abort_request`;
 * `session`: a streaming session (`/open_session` with `streaming: true`): turns appended to its
-  context, the last turn possibly aborted mid-decode, then `/close_session`.
+  context, the last turn possibly aborted mid-decode, then `/close_session`;
+* `foreign_session`: a streaming session one tenant opens and uses, a turn another tenant sends
+  with its id (which must be refused: 400 naming the field), then the owner's next turn.
+
+A `generate` op may also ask for input logprobs from a position inside its prompt
+(`logprob_start`), several answers at once (`n`), or a long decode (`new` >= `LONG_DECODE`).
 
 Every request carries a tenant (`extra_key`, `cache_salt`, or none) and, most of the time,
 per-request Tail-Replay overrides (`exactness`, `budget`, `kv_mode`, `keep_checkpoints`,
@@ -30,6 +35,8 @@ TENANTS: tuple[tuple[str | None, str | None], ...] = (
 EXACTNESS = ("approximate", "exact_first", "exact")
 BUDGETS = (0.0, 0.02, 0.05, 0.25, 1.0)
 TOKEN_LOW, TOKEN_HIGH = 10, 500          # content ids (the tiny fixtures' vocab is 512)
+#: new tokens of a long decode
+LONG_DECODE = 256
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,14 @@ class _Builder:
         ids = self._prompt(tenant)
         if self.shape.linearkv and rng.random() < 0.35:
             fields["linearkv"] = self._layout(len(ids))
+        else:
+            extra = rng.random()
+            if extra < 0.1:
+                fields["logprob_start"] = rng.randrange(len(ids))
+            elif extra < 0.17:
+                fields["n"] = 2
+            elif extra < 0.22 and len(ids) + LONG_DECODE < self.shape.max_context:
+                fields["new"] = new = LONG_DECODE
         op = self._op("generate", tenant, ids=ids, **fields)
         self.lengths[op["index"]] = len(ids) + new
         return op
@@ -172,6 +187,17 @@ class _Builder:
         return self._op("session", tenant, turns=turns, abort_last=abort_last,
                         after_events=rng.randint(1, 3))
 
+    def _foreign_session(self, tenant) -> dict:
+        """A streaming session `tenant` opens, its first turn, a turn of another tenant with the
+        session's id, then the owner's second turn."""
+        rng = self.rng
+        intruder = rng.choice([t for t in TENANTS if t != tenant])
+        turns = [{"ids": self._prompt(tenant), "new": rng.randint(1, 6), "tail_replay": _overrides(rng)},
+                 {"ids": _ids(rng, rng.randint(1, 20)), "new": rng.randint(1, 4), "tail_replay": _overrides(rng),
+                  "tenant": list(intruder)},
+                 {"ids": _ids(rng, rng.randint(1, 20)), "new": rng.randint(1, 6), "tail_replay": _overrides(rng)}]
+        return self._op("foreign_session", tenant, turns=turns)
+
     def _probe(self, tenant) -> dict:
         """Another tenant's private document (a prefix of it and a question) from this tenant."""
         rng = self.rng
@@ -198,8 +224,10 @@ class _Builder:
                 op = self._batch(tenant)
             elif r < 0.69:
                 op = self._abort(tenant)
-            elif r < 0.85 and self.shape.sessions:
+            elif r < 0.81 and self.shape.sessions:
                 op = self._session(tenant)
+            elif r < 0.86 and self.shape.sessions:
+                op = self._foreign_session(tenant)
             else:
                 op = self._probe(tenant)
             ops.append(op)
@@ -223,6 +251,18 @@ def requests_in(op: dict) -> int:
     """How many /generate requests an op sends."""
     if op["op"] == "batch":
         return len(op["prompts"])
-    if op["op"] == "session":
+    if op["op"] in ("session", "foreign_session"):
         return len(op["turns"])
-    return 1
+    return op.get("n", 1)
+
+
+def paths_of(op: dict) -> list[str]:
+    """The request paths an op exercises (the report's `paths`): its kind, and for a `generate`
+    op `chunked`, `input_logprobs`, `n_gt_1`, `long_decode`, `continuation` or `plain`."""
+    kind = op["op"]
+    if kind != "generate":
+        return [kind]
+    out = [name for name, on in (("chunked", "linearkv" in op), ("input_logprobs", "logprob_start" in op),
+                                 ("n_gt_1", op.get("n", 1) > 1), ("long_decode", op["new"] >= LONG_DECODE),
+                                 ("continuation", "continue_of" in op)) if on]
+    return out or ["plain"]

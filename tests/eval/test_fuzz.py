@@ -5,9 +5,17 @@ from __future__ import annotations
 
 import json
 
-from eval.fuzz.oracles import batch_key, exactness_claim, exactness_violations, log_violations, tenancy_violations
+from eval.fuzz.oracles import (
+    batch_key,
+    exactness_claim,
+    exactness_violations,
+    label_violations,
+    log_violations,
+    status_violations,
+    tenancy_violations,
+)
 from eval.fuzz.shrink import shrink
-from eval.fuzz.workload import TENANTS, WorkloadShape, generate_workload, requests_in
+from eval.fuzz.workload import LONG_DECODE, TENANTS, WorkloadShape, generate_workload, paths_of, requests_in
 
 
 def test_same_seed_same_workload_and_ops_are_valid():
@@ -19,13 +27,22 @@ def test_same_seed_same_workload_and_ops_are_valid():
     assert [op["index"] for op in ops] == list(range(120))
     round_of = {op["index"]: r for r, rnd in enumerate(a.rounds) for op in rnd}
     kinds = {op["op"] for op in ops}
-    assert kinds == {"generate", "batch", "abort", "session"}
+    assert kinds == {"generate", "batch", "abort", "session", "foreign_session"}
+    paths = {path for op in generate_workload(3, 400, 4, shape).ops() for path in paths_of(op)}
+    assert {"chunked", "input_logprobs", "n_gt_1", "long_decode", "continuation", "plain", "batch", "abort",
+            "session", "foreign_session"} <= paths, paths
     assert any("linearkv" in op for op in ops) and any("continue_of" in op for op in ops)
     for op in ops:
         assert tuple(op["tenant"]) in TENANTS and requests_in(op) >= 1
         if "continue_of" in op:   # continues an op of an earlier round, same tenant
             assert round_of[op["continue_of"]] < round_of[op["index"]]
             assert ops[op["continue_of"]]["tenant"] == op["tenant"]
+        if op["op"] == "foreign_session":   # the second turn is another tenant's
+            assert op["turns"][1]["tenant"] != op["tenant"] and "tenant" not in op["turns"][2]
+        if "logprob_start" in op:
+            assert 0 <= op["logprob_start"] < len(op["ids"])
+        if op["op"] == "generate" and op["new"] >= LONG_DECODE:
+            assert len(op["ids"]) + op["new"] < shape.max_context
         if "linearkv" in op:      # spans ordered, disjoint, inside the prompt, a question after them
             spans = op["linearkv"]["chunks"]
             assert all(s < e for s, e in spans) and all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
@@ -59,7 +76,7 @@ def test_tenancy_oracle_bounds_cached_tokens_by_the_tenants_own_prefixes():
 
 
 def test_exactness_oracle_checks_claims_and_exact_requests_against_the_reference():
-    def reference(ids, new):
+    def reference(ids, new, start=-1):
         return [5] * new, [-1.0] * new
 
     claimed = {"tail_replay": {"exact": True}}
@@ -75,14 +92,14 @@ def test_exactness_oracle_checks_claims_and_exact_requests_against_the_reference
     obs[0]["logprobs"] = [-1.0, -1.02]
     assert [v["op"] for v in exactness_violations(obs[:1], reference, tolerance=1e-4)] == [0]
     # the reference asked alone agrees with op 1: its batched answer was the odd one out
-    found = exactness_violations(obs[:2], reference, tolerance=1e-4, recheck=lambda ids, new: ([5, 6], [-1.0] * new))
+    found = exactness_violations(obs[:2], reference, tolerance=1e-4, recheck=lambda ids, new, start: ([5, 6], [-1.0] * new))
     assert [(v["op"], v["oracle"]) for v in found] == [(0, "exactness"), (1, "reference unstable")]
     assert exactness_claim({"tail_replay": {"exact": True, "kv_exact": False}}) is False
     assert exactness_claim({}) is None
 
 
 def test_a_batch_part_may_agree_with_the_same_batch_and_the_control_claims_every_answer():
-    def reference(ids, new):
+    def reference(ids, new, start=-1):
         return [5] * new, [-1.0] * new
 
     claimed = {"tail_replay": {"exact": True}}
@@ -98,6 +115,49 @@ def test_a_batch_part_may_agree_with_the_same_batch_and_the_control_claims_every
     assert exactness_violations([stock], reference, 1e-4) == []
     found = exactness_violations([stock], reference, 1e-4, all_exact=True)
     assert [(v["op"], v["detail"]["claim"]) for v in found] == [(1, True)]
+
+
+def test_chunked_and_input_logprob_requests_are_checked_too():
+    """No exemptions: a chunked request asking exact is compared like any (it is prefilled); a
+    request with input logprobs is compared on them as well (the reference asked from the same
+    position); a chunked request's reuse is bounded by its tenant's prefixes plus what it
+    registered itself (P and the chunk tokens it reports reused)."""
+    def reference(ids, new, start=-1):
+        return [5] * new, ([-2.0] * (len(ids) - start - 1) if start >= 0 else []) + [-1.0] * new
+
+    chunked = _obs(0, [1, 2, 3, 4], [5, 6], overrides={"exactness": "exact"}, chunked=True)
+    assert [v["op"] for v in exactness_violations([chunked], reference, 1e-4)] == [0]
+    logprobs = _obs(1, [1, 2, 3, 4], [5, 5], details={"tail_replay": {"exact": True, "kv_exact": True}},
+                    logprob_start=1, input_logprobs=[-2.0, -2.0])
+    assert exactness_violations([logprobs], reference, 1e-4) == []
+    logprobs["input_logprobs"] = [-2.0, -2.5]
+    assert [v["op"] for v in exactness_violations([logprobs], reference, 1e-4)] == [1]
+    a = ("tenant-a", None)
+    own = _obs(2, list(range(10, 60)), [3], tenant=a, cached=38, chunked=True, prefix_end=8,
+               details={"linearkv": {"reused_tokens": 30}})
+    assert tenancy_violations([own]) == []
+    own["cached_tokens"] = 39
+    assert [v["op"] for v in tenancy_violations([own])] == [2]
+
+
+def test_every_answer_has_one_consistent_label_and_valid_requests_are_not_refused():
+    good = {"tail_replay": {"kind": "miss", "exact": True, "kv_exact": True, "bound": 0.0}}
+    obs = [_obs(0, [1], [2], details=good, answered=True),
+           _obs(1, [1], [2], details={}, answered=True),                                            # no label
+           _obs(2, [1], [2], details={"tail_replay": {"kind": "assembled", "exact": True, "kv_exact": False,
+                                                       "bound": None}}, answered=True),              # unknown, exact
+           _obs(3, [1], [2], details={"tail_replay": {"kind": "approximate", "exact": False, "kv_exact": True,
+                                                       "bound": 0.5}}, answered=True),               # kv_exact, not exact
+           _obs(4, [1], [2], details={}, answered=False)]                                            # a cut stream
+    assert [(v["op"], v["detail"]["why"]) for v in label_violations(obs)] == [
+        (1, "no label"), (2, "inconsistent label"), (3, "inconsistent label")]
+    refused = {"status": 400, "output_ids": [], "completed": False}
+    statuses = [_obs(5, [1], [], **{**refused, "error": "'exactness': 'exact' cannot be honoured in streaming session 's'"}),
+                _obs(6, [1], [], **{**refused, "error": "custom_params: unknown key"}),
+                _obs(7, [1], [], **{**refused, "error": "session_params.id 's': this turn's extra_key differ"},
+                     expect="refused"),
+                _obs(8, [1], [2], expect="refused")]                                         # answered: a leak
+    assert [(v["op"], v["oracle"]) for v in status_violations(statuses)] == [(6, "4xx"), (8, "tenancy")]
 
 
 def test_log_oracle_finds_tracebacks_and_leaks():
