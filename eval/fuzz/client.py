@@ -48,7 +48,7 @@ def _obs(op: dict, part: int, ids: list[int], new: int, overrides: dict | None, 
             "new": new, "output_ids": [], "logprobs": [], "cached_tokens": None, "details": {},
             "tail_replay": overrides, "chunked": "linearkv" in op, "completed": False, "error": None,
             "answered": False, "paths": paths_of(op), "logprob_start": op.get("logprob_start", -1),
-            "input_logprobs": [], "prefix_end": op["linearkv"]["chunks"][0][0] if "linearkv" in op else 0}
+            "input_logprobs": [], "chunks_end": op["linearkv"]["chunks"][-1][1] if "linearkv" in op else 0}
     return {**base, **fields}
 
 

@@ -12,8 +12,10 @@ reference answers come in as a function.
    cache as on any cache).
 2. `tenancy_violations`: a request's cached tokens never exceed the longest common prefix of its ids
    with a sequence (prompt + answer) its own tenant (`extra_key`, `cache_salt`) sent before or
-   alongside it: nothing another tenant cached is reused. A chunked LinearKV request may add
-   what it registered itself on arrival: its prefix P and the chunk tokens it reports reused.
+   alongside it: nothing another tenant cached is reused. A chunked LinearKV request registered
+   its prefix P and every chunk itself on arrival, in its tenant's chunk namespace: it may reuse
+   up to its last chunk's end (SGLang counts the whole assembled span as cached, EPIC's
+   recomputed chunk heads included).
 3. and 4. `log_violations`: SGLang's strict idle pool check and tree sanity check (their errors
    reach the log), tracebacks, and `status_violations`: 5xx answers, requests a hung server
    never answered, a 4xx to a valid request (except the documented refusals, `REFUSALS`), and a
@@ -180,8 +182,7 @@ def tenancy_violations(observations: list[dict]) -> list[dict]:
                     n += other["new"]
                 allowed = max(allowed, n)
         if obs["chunked"]:   # its own registrations (on arrival, in its tenant's chunk namespace)
-            chunked = (obs["details"] or {}).get("linearkv") or {}
-            allowed = max(allowed, obs.get("prefix_end", 0)) + int(chunked.get("reused_tokens") or 0)
+            allowed = max(allowed, obs.get("chunks_end", 0))
         if obs["cached_tokens"] > allowed:
             out.append(_violation("tenancy", obs, {"tenant": list(tenant), "cached_tokens": obs["cached_tokens"],
                                                    "own_tenant_prefix": allowed}))

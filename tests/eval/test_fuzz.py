@@ -120,8 +120,8 @@ def test_a_batch_part_may_agree_with_the_same_batch_and_the_control_claims_every
 def test_chunked_and_input_logprob_requests_are_checked_too():
     """No exemptions: a chunked request asking exact is compared like any (it is prefilled); a
     request with input logprobs is compared on them as well (the reference asked from the same
-    position); a chunked request's reuse is bounded by its tenant's prefixes plus what it
-    registered itself (P and the chunk tokens it reports reused)."""
+    position); a chunked request's reuse is bounded by its tenant's prefixes and what it
+    registered itself (P and its chunks: up to its last chunk's end)."""
     def reference(ids, new, start=-1):
         return [5] * new, ([-2.0] * (len(ids) - start - 1) if start >= 0 else []) + [-1.0] * new
 
@@ -133,8 +133,8 @@ def test_chunked_and_input_logprob_requests_are_checked_too():
     logprobs["input_logprobs"] = [-2.0, -2.5]
     assert [v["op"] for v in exactness_violations([logprobs], reference, 1e-4)] == [1]
     a = ("tenant-a", None)
-    own = _obs(2, list(range(10, 60)), [3], tenant=a, cached=38, chunked=True, prefix_end=8,
-               details={"linearkv": {"reused_tokens": 30}})
+    own = _obs(2, list(range(10, 60)), [3], tenant=a, cached=38, chunked=True, chunks_end=38,
+               details={"linearkv": {"reused_tokens": 30}})   # (EPIC heads: counted cached, not reused)
     assert tenancy_violations([own]) == []
     own["cached_tokens"] = 39
     assert [v["op"] for v in tenancy_violations([own])] == [2]
