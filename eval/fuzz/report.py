@@ -7,7 +7,6 @@ import json
 from collections import Counter
 from pathlib import Path
 
-
 #: the request paths the report counts (`eval.fuzz.workload.paths_of`)
 PATHS = ("plain", "continuation", "chunked", "input_logprobs", "n_gt_1", "long_decode", "batch", "abort",
          "session", "foreign_session")
