@@ -133,6 +133,9 @@ def _abort(url: str, op: dict) -> list[dict]:
 
 
 def _session(url: str, op: dict) -> list[dict]:
+    """A streaming session's turns, in order. A `session` op's last turn may be cut mid-decode
+    (`abort_last`); a `foreign_session` op's turn that names another tenant is sent under that
+    tenant with the session's id (expected: refused) and leaves the session's context as it was."""
     sid = f"fuzz-{op['index']}-{uuid.uuid4().hex[:8]}"
     resp = requests.post(f"{url}/open_session", json={"capacity_of_str_len": 1 << 20, "session_id": sid,
                                                       "streaming": True}, timeout=60)
@@ -141,48 +144,24 @@ def _session(url: str, op: dict) -> list[dict]:
     out, context = [], []
     try:
         for j, turn in enumerate(op["turns"]):
-            ids = context + list(turn["ids"])
-            payload = {"input_ids": turn["ids"], "session_params": {"id": sid}, **_tenant_fields(op["tenant"]),
+            foreign = "tenant" in turn
+            tenant = turn["tenant"] if foreign else op["tenant"]
+            ids = list(turn["ids"]) if foreign else context + list(turn["ids"])
+            payload = {"input_ids": turn["ids"], "session_params": {"id": sid}, **_tenant_fields(tenant),
                        "sampling_params": _params(turn["new"], turn["tail_replay"])}
-            obs = _obs(op, j, ids, turn["new"], turn["tail_replay"])
-            if op["abort_last"] and j == len(op["turns"]) - 1:
+            obs = _obs(op, j, ids, turn["new"], turn["tail_replay"], tenant=list(tenant),
+                       **({"expect": "refused"} if foreign else {}))
+            if op.get("abort_last") and j == len(op["turns"]) - 1:
                 obs["status"], obs["output_ids"], obs["error"] = _stream_cut(url, payload, op["after_events"], "disconnect")
                 out.append(obs)
                 break
             obs = _fill(obs, _post(url, {**payload, "return_logprob": True}))
             out.append(obs)
+            if foreign:
+                continue
             if obs["status"] != 200:
                 break
             context = ids + obs["output_ids"]
-    finally:
-        requests.post(f"{url}/close_session", json={"session_id": sid}, timeout=60)
-    return out
-
-
-def _foreign_session(url: str, op: dict) -> list[dict]:
-    """The owner's turn, another tenant's turn with the session's id (expected: refused), the
-    owner's next turn (its context: the owner's turns only)."""
-    sid = f"fuzz-{op['index']}-{uuid.uuid4().hex[:8]}"
-    resp = requests.post(f"{url}/open_session", json={"capacity_of_str_len": 1 << 20, "session_id": sid,
-                                                      "streaming": True}, timeout=60)
-    if resp.status_code != 200:
-        return [_obs(op, 0, list(op["turns"][0]["ids"]), 0, None, status=resp.status_code, error=resp.text[:400])]
-    out, context = [], []
-    try:
-        for j, turn in enumerate(op["turns"]):
-            tenant = turn.get("tenant", op["tenant"])
-            foreign = "tenant" in turn
-            ids = (list(turn["ids"]) if foreign else context + list(turn["ids"]))
-            payload = {"input_ids": turn["ids"], "session_params": {"id": sid}, **_tenant_fields(tenant),
-                       "return_logprob": True, "sampling_params": _params(turn["new"], turn["tail_replay"])}
-            obs = _obs(op, j, ids, turn["new"], turn["tail_replay"], tenant=list(tenant),
-                       **({"expect": "refused"} if foreign else {}))
-            obs = _fill(obs, _post(url, payload))
-            out.append(obs)
-            if not foreign:
-                if obs["status"] != 200:
-                    break
-                context = ids + obs["output_ids"]
     finally:
         requests.post(f"{url}/close_session", json={"session_id": sid}, timeout=60)
     return out
@@ -197,10 +176,8 @@ def run_op(url: str, op: dict, context: Callable[[int], list[int] | None]) -> li
             return _batch(url, op)
         if op["op"] == "abort":
             return _abort(url, op)
-        if op["op"] == "session":
+        if op["op"] in ("session", "foreign_session"):
             return _session(url, op)
-        if op["op"] == "foreign_session":
-            return _foreign_session(url, op)
     except requests.Timeout as err:
         return [_obs(op, 0, list(op.get("ids") or []), 0, None, error=f"timeout: no answer in {TIMEOUT_S:.0f} s ({err})"[:400])]
     except (requests.RequestException, ValueError) as err:

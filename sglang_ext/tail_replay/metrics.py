@@ -227,12 +227,13 @@ def answer_label(record: TailReplayRequest | None, prompt_len: int, logprob_star
     """`meta_info.cached_tokens_details.tail_replay` of any answer of a server that serves with
     Tail-Replay: `replay_summary` where the request has a plan; otherwise (no record: it was never
     planned; a record whose plan was dropped: another wing served it, or what it read has no known
-    provenance) the fail-closed label `exact: false, kv_exact: false, bound: None` with the kind
+    provenance; or that generated tokens so served before a retraction re-planned it) the
+    fail-closed label `exact: false, kv_exact: false, bound: None` with the kind
     that says why (`TailReplayRequest.served_as`: "assembled", "untracked"). Counted once per
     request with a record, as `replay_summary` counts."""
-    if record is not None and record.plan is not None:
+    if record is not None and record.plan is not None and record.earlier_served_as is None:
         return replay_summary(record, prompt_len, logprob_start)
-    kind = KIND_UNTRACKED if record is None or record.served_as is None else record.served_as
+    kind = KIND_UNTRACKED if record is None else (record.earlier_served_as or record.served_as or KIND_UNTRACKED)
     if record is not None and not record.exactness_recorded:
         record.exactness_recorded = True
         if not record.config.background and _this_rank_records():

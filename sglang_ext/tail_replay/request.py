@@ -117,6 +117,9 @@ class TailReplayRequest:
     #: kind (`metrics.answer_label`): "assembled" (another wing served it from chunk KV), "untracked"
     #: (what it reads has no known provenance); None while it has a plan or was never matched
     served_as: str | None = None
+    #: `served_as` of an earlier match under which the request generated tokens (then it was
+    #: retracted and matched again): the answer keeps that label kind, whatever the new plan
+    earlier_served_as: str | None = None
 
     @property
     def strict(self) -> bool:
@@ -136,9 +139,13 @@ class TailReplayRequest:
         """A (re-)match of the request's sequence so far (`sequence_len` tokens: its prompt, plus
         its output after a retraction). Where the previous plan already generated tokens, their
         bound (the state the first of them came from, which every later one carries) stays in the
-        answer's label (`earlier_bound`), so a re-plan cannot make an answer exact again."""
-        if self.plan is not None and self.label_end is not None and sequence_len > self.label_end:
-            self.earlier_bound = max(self.earlier_bound, answer_bound(self, self.label_end))
+        answer's label (`earlier_bound`; where they were served without a plan, that label's kind:
+        `earlier_served_as`), so a re-plan cannot make an answer exact again."""
+        if self.label_end is not None and sequence_len > self.label_end:
+            if self.plan is not None:
+                self.earlier_bound = max(self.earlier_bound, answer_bound(self, self.label_end))
+            elif self.served_as is not None:   # served without a plan (assembled, untracked)
+                self.earlier_served_as = self.earlier_served_as or self.served_as
         self.label_end = sequence_len
 
     def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0) -> None:

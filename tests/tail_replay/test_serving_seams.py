@@ -186,6 +186,14 @@ def test_a_retracted_request_is_labelled_by_its_last_match_and_never_becomes_exa
     approximate_then_exact.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 104, 104, 104))
     label = _label(approximate_then_exact, 101)
     assert label["exact"] is False and label["bound"] == pytest.approx(0.25)   # its first tokens were approximate
+    assembled_then_planned = TailReplayRequest(config=config)   # (LinearKV's assembly served its first tokens)
+    assembled_then_planned.begin_match(101)
+    assembled_then_planned.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 16, 16, 16))
+    assembled_then_planned.drop_plan("assembled")
+    assembled_then_planned.begin_match(105)   # retracted; its chunks gone: planned over the prompt
+    assembled_then_planned.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 104, 104, 104))
+    assert _label(assembled_then_planned, 101) == {"kind": "assembled", "exact": False, "kv_exact": False,
+                                                   "bound": None}
 
 
 def test_input_logprobs_are_labelled_by_every_position_they_read():
