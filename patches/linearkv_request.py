@@ -167,8 +167,10 @@ def prepare(manager: Any, obj: Any, server: tuple[Any, str]) -> tuple[list[list[
         return [], False
     value = request_field(_custom_params(obj))
     _refuse_internal(value)
-    exactness = requested_exactness(_custom_params(obj))
     separator = value.get("separator") if value is not None else config.separator
+    if value is None and separator is None:
+        return [], False   # no chunks asked, no separator to find them by: a plain request
+    exactness = requested_exactness(_custom_params(obj))
     if value is not None and "separator" in value and (not isinstance(separator, str) or not separator):
         raise ValueError(f"custom_params.linearkv.separator must be a non-empty string, got {separator!r}")
     if value is not None and exactness == "exact" and config.exact_requests == "refuse":
