@@ -35,10 +35,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from sglang_ext.tail_replay.state_bound import HeadShards
 
 #: the bound of KV computed exactly from an exact state after reading KV of bound > 0
 TAINT = 1.1754943508222875e-38   # float32's smallest normal value: > 0, below any threshold
@@ -249,7 +251,7 @@ class CarrySegments:
     end: int
     #: the tensor-parallel ranks holding the other heads (`state_bound.HeadShards`; None: this
     #: rank holds every head)
-    shards: Any = field(default=None, compare=False)
+    shards: HeadShards | None = field(default=None, compare=False)
 
     def accumulate(self, layer: int, log_decay_rows: torch.Tensor) -> None:
         """log_decay_rows [n, heads]: the log-decay of `rows` at `layer` (one cumsum per request;
@@ -263,13 +265,13 @@ class CarrySegments:
 
         local = [carry.row_bounds(layer, log_decay_rows[offset:offset + count])
                  for carry, _, offset, count in self.parts]
-        every = self.shards.max_rows(torch.cat(local)) if local else None
+        every = self.shards.max_rows(torch.cat(local))   # (a CarrySegments has parts)
         for carry, position, offset, count in self.parts:
             carry.merge_rows(position, every[offset:offset + count])
 
 
 def carry_segments(carries: Sequence[CarryBound | None], prefix_lens: Sequence[int],
-                   extend_lens: Sequence[int], shards: Any = None) -> CarrySegments | None:
+                   extend_lens: Sequence[int], shards: HeadShards | None = None) -> CarrySegments | None:
     """carries[i]: the request's CarryBound or None; prefix_lens / extend_lens: the requests'
     extend segments in batch order. None when no row is carried."""
     import torch
