@@ -140,8 +140,8 @@ def fallback_record(value: Mapping[str, Any], n_tokens: int, reason: str) -> Lin
 
 
 #: `fallback` of a request with chunks whose exactness is strict (`served_exactly`)
-EXACT_FALLBACK = ("exactness 'exact': the chunks were not assembled (their KV is context-free, never exact); "
-                  "the prompt was prefilled as sent")
+EXACT_FALLBACK = ("strict exactness ('exact', or 'exact_unless_pressed' not pressed): the chunks were not "
+                  "assembled (their KV is context-free, never exact); the prompt was prefilled as sent")
 #: `exactness` values under which a request may run strict (`exactness: "exact"`; "exact_unless_pressed"
 #: unless its arrival is pressed, which only the scheduler knows): such a prompt's text is never split
 #: at the separator on arrival (the server without cache would read the separators too)
