@@ -99,9 +99,10 @@ def main(argv: list[str] | None = None) -> None:
             share = (deadline - time.monotonic()) / (len(names) - i)
             server = config.server(str(models[config.arch]), logs / f"{name}.log")
 
-            def restart(server=server) -> None:
+            def restart(server=server, base=server.log_path) -> None:
+                """A new log file; the port (and a storage configuration's files) kept."""
                 server.stop()
-                server.log_path = server.log_path.with_suffix(f".{int(time.time())}.log")
+                server.log_path = base.with_suffix(f".{time.time_ns()}.log")
                 server.start()
 
             try:
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
                     result = fuzz_server(server, references[config.arch], list(range(seed, seed + 10_000)), args.ops,
                                          config.shape(), report["noise"][config.arch]["tolerance"], args.concurrency,
                                          deadline=time.monotonic() + share, restart=restart,
-                                         all_exact=config.backend == "stock")
+                                         all_exact=config.backend == "stock",
+                                         pressure_tolerance=config.pressure_tolerance, storage=config.storage)
             except (RuntimeError, TimeoutError) as err:   # the configuration does not start
                 errors = [line for line in server.log_text().splitlines() if "error" in line.lower() and ":" in line
                           and "Ignore import error" not in line]

@@ -5,7 +5,8 @@ Each module in this package patches one SGLang seam and names the file it target
 
 - mode "cpu": the CPU patch set (stand-in `sgl_kernel` CPU ops, driverless-CUDA-torch fixes,
   torch fallbacks for Triton-only paths, O(new x context) extend attention, stock HiCache's host
-  tier: unpinned host pools and torch `direct` copies, `cpu_hicache`), then the extension's own
+  tier: unpinned host pools and torch `direct` copies, `cpu_hicache`; `--enable-deterministic-inference`
+  with batch-invariant matrix products, `cpu_deterministic`), then the extension's own
   seams;
 - mode "gpu": only the extension's own seams and the request check (`request_token_ids`);
   SGLang's fast paths stay untouched.
@@ -23,16 +24,21 @@ those summaries across SGLang's IPC in both modes; after the audit's patch, so i
 first), `tail_replay_audit` (the live quality audit: the first output's
 logits of audited requests, their exact reference runs sent by the tokenizer process),
 `tail_replay_session` (a finished streaming-session turn's own recomputed tail is freed when its
-row goes to the session), `tail_replay_pressure` (`exact_unless_pressed`: the first rank stamps each
+row goes to the session), `tail_replay_disagg` (PD disaggregation: the prefill server's answer
+label carried to the decode server in one more metadata buffer), `tail_replay_pressure` (`exact_unless_pressed`: the first rank stamps each
 request with the pressure decision before SGLang broadcasts it to the other ranks),
 `linearkv_request` (LinearKV: chunks found and registered on arrival), `linearkv_prepass`
 (LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward),
 `linearkv_admission` (LinearKV: every admission round's state slots budgeted, loads included),
 `session_tenancy` (a session belongs to its first turn's cache namespace; a turn from another
 is refused, on every backend).
-One fix to SGLang itself rides with them, because it hits GPUs too: `mamba_conv_dtype` (the linear
-layers' conv-window state in the model's dtype, not a fixed bfloat16, which the `extra_buffer`
-strategy's tracking copy requires).
+Three fixes to SGLang itself ride with them, because they hit GPUs too: `mamba_conv_dtype` (the
+linear layers' conv-window state in the model's dtype, not a fixed bfloat16, which the `extra_buffer`
+strategy's tracking copy requires), `seeded_sampling` (under `--enable-deterministic-inference`, a
+seeded request samples the same token whether or not another request of its batch filters with
+top-k, top-p or greedy) and `session_storage_prefetch` (a streaming session's turn on a server with
+HiCache's storage tier: the storage prefetch asked the tree about the session slot's stand-in node,
+and the scheduler died).
 
 Applying a module twice is a no-op. Spawned SGLang children re-apply from `sglang_ext.env`'s
 `SGLANG_EXT_PATCH_MODE`: under the launcher through `sglang_ext.spawn_main` (imported by every
@@ -66,6 +72,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu_start_method",     # SGLANG_EXT_CPU_START_METHOD=fork: children forked, not spawned
     "cpu_mamba_track",
     "cpu_extra_buffer",     # after cpu_gdn / cpu_mamba2: the ops extra_buffer reads
+    "cpu_deterministic",    # --enable-deterministic-inference: torch_native admitted, row-by-row mm
 )
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "tail_replay_prefill_graph",
@@ -74,7 +81,7 @@ EXT_PATCHES: tuple[str, ...] = ("tail_replay_batch", "tail_replay_attention", "t
                                 "session_tenancy", "tail_replay_sizing", "tail_replay_pages", "tail_replay_host_pools",
                                 "request_token_ids", "linearkv_request", "linearkv_prepass", "linearkv_admission",
                                 "sae_policy", "sae_tree_core", "sae_cache_events", "sae_full_eviction", "sae_state_eviction", "sae_request", "sae_chat",
-                                "mamba_conv_dtype")
+                                "mamba_conv_dtype", "seeded_sampling", "session_storage_prefetch", "tail_replay_disagg")
 
 _applied: list[str] = []
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_ext.patches.cpu_ops import conv1d, gdn, memory
+from sglang_ext.patches.cpu_ops import conv1d, gdn, memory, sampling
 
 TARGET = "sgl_kernel/__init__.py (sglang-kernel 0.4.10)"
 
@@ -35,6 +35,7 @@ CPU_OPS = {
     "fused_sigmoid_gating_delta_rule_update_cpu": gdn.fused_sigmoid_gating_delta_rule_update_cpu,
     "assign_req_to_token_pool_cpu": memory.assign_req_to_token_pool_cpu,
     "copy_all_layer_kv_cache_cpu": memory.copy_all_layer_kv_cache_cpu,
+    "murmur_hash32_cpu": sampling.murmur_hash32_op,   # seeded sampling (deterministic inference)
 }
 
 #: submodules searched for `from sgl_kernel import X`

@@ -66,9 +66,14 @@ def hand_to_session(cache: Any, req: Any, slot: Any) -> None:
 def _wrap(original: Callable) -> Callable:
     @functools.wraps(original)
     def try_cache_finished_req(self, req):
+        # read before SGLang's call: a turn that was retracted (and so registered with its session
+        # once already) finishes as its own predecessor, and `finish_req` then detaches
+        # `req.session` (`srt/session/session_controller.py::Session.finish_req`)
+        session = getattr(req, "session", None)
+        session_id = None if session is None else session.session_id
         kept = original(self, req)
-        if kept and req.finished():
-            hand_to_session(self.cache, req, self.slots.get(req.session.session_id))
+        if kept and req.finished() and session_id is not None:
+            hand_to_session(self.cache, req, self.slots.get(session_id))
         return kept
 
     return try_cache_finished_req

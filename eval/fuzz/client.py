@@ -10,7 +10,11 @@ observation per /generate request (a plain dict, JSON-ready):
      "chunked": bool, "completed": the answer has all its tokens, "round": r, "error": str | None,
      "answered": a whole /generate answer was read (not a cut stream), "paths": the op's paths,
      "logprob_start": where input logprobs start (-1: none), "input_logprobs": [...],
-     "expect": "refused" for a turn that must be refused (another tenant's session turn)}
+     "expect": "refused" for a turn that must be refused (another tenant's session turn),
+     "sample": [temperature, seed] or None (greedy), "retractions": SGLang's `num_retractions`}
+
+An answer adds the paths only it can tell: `retraction` (it was retracted at least once) and
+`pressure` (its label's pressure block names thresholds its arrival met).
 
 A session turn's `ids` is the session's context (earlier turns' prompts and answers, then its own
 ids), as SGLang's streaming session builds it; an aborted turn leaves the context as it was.
@@ -35,10 +39,17 @@ def _tenant_fields(tenant: list) -> dict:
     return {**({"extra_key": extra_key} if extra_key else {}), **({"cache_salt": salt} if salt else {})}
 
 
-def _params(new: int, overrides: dict | None, linearkv: dict | None = None, n: int = 1) -> dict:
+def sampling(new: int, sample: list | None = None) -> dict:
+    """Greedy, or (`sample`: [temperature, seed]) sampled with SGLang's seeded sampler; EOS ignored."""
+    if sample is None:
+        return {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}
+    return {"max_new_tokens": new, "temperature": sample[0], "sampling_seed": sample[1], "ignore_eos": True}
+
+
+def _params(new: int, overrides: dict | None, linearkv: dict | None = None, n: int = 1,
+            sample: list | None = None) -> dict:
     custom = {**({"tail_replay": overrides} if overrides else {}), **({"linearkv": linearkv} if linearkv else {})}
-    return {"max_new_tokens": new, "temperature": 0, "ignore_eos": True, **({"n": n} if n > 1 else {}),
-            **({"custom_params": custom} if custom else {})}
+    return {**sampling(new, sample), **({"n": n} if n > 1 else {}), **({"custom_params": custom} if custom else {})}
 
 
 def _obs(op: dict, part: int, ids: list[int], new: int, overrides: dict | None, **fields) -> dict:
@@ -48,7 +59,8 @@ def _obs(op: dict, part: int, ids: list[int], new: int, overrides: dict | None, 
             "new": new, "output_ids": [], "logprobs": [], "cached_tokens": None, "details": {},
             "tail_replay": overrides, "chunked": "linearkv" in op, "completed": False, "error": None,
             "answered": False, "paths": paths_of(op), "logprob_start": op.get("logprob_start", -1),
-            "input_logprobs": [], "chunks_end": op["linearkv"]["chunks"][-1][1] if "linearkv" in op else 0}
+            "input_logprobs": [], "chunks_end": op["linearkv"]["chunks"][-1][1] if "linearkv" in op else 0,
+            "sample": op.get("sample"), "retractions": 0}
     return {**base, **fields}
 
 
@@ -66,6 +78,10 @@ def _fill(obs: dict, resp: requests.Response, item: dict | None = None) -> dict:
     obs["cached_tokens"] = meta.get("cached_tokens")
     obs["details"] = meta.get("cached_tokens_details") or {}
     obs["completed"] = len(obs["output_ids"]) == obs["new"]
+    obs["retractions"] = int(meta.get("num_retractions") or 0)
+    label = obs["details"].get("tail_replay")
+    pressed = isinstance(label, dict) and isinstance(label.get("pressure"), dict) and label["pressure"].get("pressed_by")
+    obs["paths"] = [*obs["paths"], *(["retraction"] if obs["retractions"] else []), *(["pressure"] if pressed else [])]
     return obs
 
 
@@ -105,7 +121,7 @@ def _generate(url: str, op: dict, context: Callable[[int], list[int] | None]) ->
         ids = prev + ids
     n = op.get("n", 1)
     payload = {"input_ids": ids, "return_logprob": True, **_tenant_fields(op["tenant"]),
-               "sampling_params": _params(op["new"], op["tail_replay"], op.get("linearkv"), n)}
+               "sampling_params": _params(op["new"], op["tail_replay"], op.get("linearkv"), n, op.get("sample"))}
     if "logprob_start" in op:
         payload["logprob_start_len"] = op["logprob_start"]
     resp = _post(url, payload)

@@ -23,6 +23,12 @@ reference answers come in as a function.
 5. `label_violations` (servers of the extension): every whole answer carries one label
    (`cached_tokens_details.tail_replay` with `kind`, `exact`, `kv_exact`, `bound`), consistent:
    `kv_exact` implies `exact`, `kv_exact` is `bound == 0`, an unknown bound is not exact.
+6. `pressure_violations` (`exactness: "exact_unless_pressed"`): an approximate plan taken under
+   pressure was pressed, certified within the server's tolerance and labelled not exact; an answer
+   not pressed (or pressed beyond the tolerance) is an exactness target like an `"exact"` one.
+
+Sampled answers (`sample`: temperature and seed) are compared with the server without cache
+sampling under the same seed (both run `--enable-deterministic-inference`).
 
 A violation is a dict: {"oracle", "op", "part", "round", "detail"}.
 """
@@ -67,6 +73,19 @@ def asked_exact(obs: dict) -> bool:
     return bool(obs.get("tail_replay")) and obs["tail_replay"].get("exactness") == "exact"
 
 
+def pressure_block(obs: dict) -> dict | None:
+    label = (obs.get("details") or {}).get("tail_replay")
+    block = label.get("pressure") if isinstance(label, dict) else None
+    return block if isinstance(block, dict) else None
+
+
+def strict_by_pressure(obs: dict) -> bool:
+    """Under `exact_unless_pressed`: an answer whose arrival was not pressed, or pressed with no
+    approximate plan within the tolerance (`beyond_tolerance`), is served as `exact` would be."""
+    block = pressure_block(obs)
+    return block is not None and (not block.get("pressed_by") or block.get("outcome") == "beyond_tolerance")
+
+
 def claimed(obs: dict, all_exact: bool = False) -> bool | None:
     """The answer's claim; with `all_exact` (SGLang's own cache, exact by construction) an answer
     without a Tail-Replay block claims exact too."""
@@ -77,7 +96,7 @@ def claimed(obs: dict, all_exact: bool = False) -> bool | None:
 def exactness_targets(observations: Iterable[dict], all_exact: bool = False) -> list[dict]:
     """Observations the exactness oracle checks: complete 200 answers that claim or asked exactness."""
     return [o for o in observations if o["status"] == 200 and o["completed"] and o["output_ids"]
-            and (claimed(o, all_exact) or asked_exact(o))]
+            and (claimed(o, all_exact) or asked_exact(o) or strict_by_pressure(o))]
 
 
 def batch_key(obs: dict) -> tuple:
@@ -106,11 +125,12 @@ def _agrees(obs: dict, answer: Answer, tolerance: float) -> bool:
         (abs(a - b) for a, b in zip(mine, lp, strict=True)), default=0.0) <= tolerance
 
 
-def exactness_violations(observations: Iterable[dict], reference: Callable[[list[int], int, int], Answer],
-                         tolerance: float, recheck: Callable[[list[int], int, int], Answer] | None = None,
+def exactness_violations(observations: Iterable[dict], reference: Callable[..., Answer],
+                         tolerance: float, recheck: Callable[..., Answer] | None = None,
                          same_batch: dict[tuple, Answer] | None = None, all_exact: bool = False) -> list[dict]:
-    """`reference(ids, new, logprob_start) -> (output ids, input logprobs from logprob_start (none
-    for -1) then output logprobs)` of a server without cache (answers asked side by side);
+    """`reference(ids, new, logprob_start, sample) -> (output ids, input logprobs from logprob_start
+    (none for -1) then output logprobs)` of a server without cache, greedy or sampled with the
+    answer's [temperature, seed] (answers asked side by side);
     `recheck`: the same server asked once more, alone. A disagreement that the
     recheck does not confirm (the server without cache answered differently alone than in a
     batch) is reported as oracle "reference unstable", not as a cache's violation. `same_batch`:
@@ -121,12 +141,13 @@ def exactness_violations(observations: Iterable[dict], reference: Callable[[list
         if same_batch is not None and obs["kind"] == "batch" and batch_key(obs) in same_batch \
                 and _agrees(obs, same_batch[batch_key(obs)], tolerance):
             continue
-        start = obs.get("logprob_start", -1)
-        ref_ids, ref_lp = reference(obs["ids"], len(obs["output_ids"]), start)
+        start, sample = obs.get("logprob_start", -1), obs.get("sample")
+        ref_ids, ref_lp = reference(obs["ids"], len(obs["output_ids"]), start, sample)
         claim = claimed(obs, all_exact)
-        why = "meta_info says exact" if claim else "asked exactness: exact"
+        why = ("meta_info says exact" if claim else "asked exactness: exact" if asked_exact(obs)
+               else "not pressed, or pressed beyond the tolerance: served as exact")
         if not _agrees(obs, (ref_ids, ref_lp), tolerance) and recheck is not None:
-            alone = recheck(obs["ids"], len(obs["output_ids"]), start)
+            alone = recheck(obs["ids"], len(obs["output_ids"]), start, sample)
             if _agrees(obs, alone, tolerance):
                 out.append(_violation("reference unstable", obs, {
                     "why": why, "batched_reference_ids": ref_ids, "alone_reference_ids": alone[0],
@@ -225,6 +246,22 @@ def label_violations(observations: Iterable[dict]) -> list[dict]:
             or (bound is not None and kv_exact != (bound == 0.0))
         if wrong:
             out.append(_violation("label", o, {"why": "inconsistent label", "label": label}))
+    return out
+
+
+def pressure_violations(observations: Iterable[dict], tolerance: float | None) -> list[dict]:
+    """Under `exact_unless_pressed` with the server's `pressure.tolerance`: an answer that took an
+    approximate plan because it was pressed must have been pressed (`pressed_by` not empty), its
+    certified planned bound within the tolerance, and say `exact: false`."""
+    out = []
+    for o in observations:
+        block = pressure_block(o) if o["status"] == 200 else None
+        if block is None or block.get("outcome") != "approximate":
+            continue
+        bound = block.get("planned_bound")
+        label = o["details"]["tail_replay"]
+        if not block.get("pressed_by") or bound is None or tolerance is None or bound > tolerance or label.get("exact"):
+            out.append(_violation("pressure", o, {"pressure": block, "tolerance": tolerance, "exact": label.get("exact")}))
     return out
 
 

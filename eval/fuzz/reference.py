@@ -7,6 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+from eval.fuzz.client import sampling
+
 #: the exactness oracle's tolerance on output logprobs: this floor, or NOISE_FACTOR times the
 #: measured noise between two runs of the server without cache, whichever is larger
 TOLERANCE_FLOOR = 1e-4
@@ -14,17 +16,18 @@ NOISE_FACTOR = 10.0
 
 
 class NoCacheReference:
-    """`ref(ids, new, logprob_start=-1) -> (output ids, logprobs)`: greedy, EOS ignored; the
-    logprobs are the input logprobs from `logprob_start` (none for -1) then the output logprobs
+    """`ref(ids, new, logprob_start=-1, sample=None) -> (output ids, logprobs)`: greedy, or sampled
+    with `sample` = [temperature, seed] (SGLang's seeded sampler), EOS ignored; the logprobs are the
+    input logprobs from `logprob_start` (none for -1) then the output logprobs
     (`oracles.read_logprobs` lays a cached answer out the same way)."""
 
     def __init__(self, url: str):
         self.url = url
-        self.answers: dict[tuple[tuple[int, ...], int, int], tuple[list[int], list[float]]] = {}
+        self.answers: dict[tuple, tuple[list[int], list[float]]] = {}
 
-    def ask(self, ids: list[int], new: int, logprob_start: int = -1) -> tuple[list[int], list[float]]:
-        payload = {"input_ids": list(ids), "return_logprob": True,
-                   "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+    def ask(self, ids: list[int], new: int, logprob_start: int = -1,
+            sample: list | None = None) -> tuple[list[int], list[float]]:
+        payload = {"input_ids": list(ids), "return_logprob": True, "sampling_params": sampling(new, sample)}
         if logprob_start >= 0:
             payload["logprob_start_len"] = logprob_start
         resp = requests.post(f"{self.url}/generate", json=payload, timeout=600)
@@ -43,18 +46,21 @@ class NoCacheReference:
         return [(list(item["output_ids"]), [x[0] for x in item["meta_info"]["output_token_logprobs"]])
                 for item in resp.json()]
 
-    def __call__(self, ids: list[int], new: int, logprob_start: int = -1) -> tuple[list[int], list[float]]:
-        key = (tuple(ids), new, logprob_start)
+    def __call__(self, ids: list[int], new: int, logprob_start: int = -1,
+                 sample: list | None = None) -> tuple[list[int], list[float]]:
+        key = (tuple(ids), new, logprob_start, tuple(sample) if sample else None)
         if key not in self.answers:
-            self.answers[key] = self.ask(ids, new, logprob_start)
+            self.answers[key] = self.ask(ids, new, logprob_start, sample)
         return self.answers[key]
 
-    def prefetch(self, items: list[tuple[list[int], int, int]], concurrency: int = 4) -> None:
-        """Ask for several answers (ids, new tokens, logprob start) side by side (the server
-        batches them)."""
-        todo = list({(tuple(ids), new, start) for ids, new, start in items} - set(self.answers))
+    def prefetch(self, items: list[tuple], concurrency: int = 4) -> None:
+        """Ask for several answers (ids, new tokens, logprob start, sample) side by side (the
+        server batches them)."""
+        todo = list({(tuple(ids), new, start, tuple(sample) if sample else None) for ids, new, start, sample in items}
+                    - set(self.answers))
         with ThreadPoolExecutor(concurrency) as pool:
-            for key, answer in zip(todo, pool.map(lambda k: self.ask(list(k[0]), k[1], k[2]), todo), strict=True):
+            answers = pool.map(lambda k: self.ask(list(k[0]), k[1], k[2], list(k[3]) if k[3] else None), todo)
+            for key, answer in zip(todo, answers, strict=True):
                 self.answers[key] = answer
 
 

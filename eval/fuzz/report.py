@@ -8,8 +8,8 @@ from collections import Counter
 from pathlib import Path
 
 #: the request paths the report counts (`eval.fuzz.workload.paths_of`)
-PATHS = ("plain", "continuation", "chunked", "input_logprobs", "n_gt_1", "long_decode", "batch", "abort",
-         "session", "foreign_session")
+PATHS = ("plain", "continuation", "chunked", "input_logprobs", "n_gt_1", "long_decode", "sampled", "batch", "abort",
+         "session", "foreign_session", "retraction", "pressure", "l3")
 
 
 def _violation_line(name: str, v: dict) -> str:

@@ -26,6 +26,7 @@ from eval.fuzz.oracles import (
     exactness_violations,
     label_violations,
     log_violations,
+    pressure_violations,
     status_violations,
     tenancy_violations,
 )
@@ -92,15 +93,18 @@ def same_batch_answers(observations: list[dict], reference: NoCacheReference, al
     return out
 
 
-def check(observations: list[dict], reference: NoCacheReference, tolerance: float, all_exact: bool = False) -> list[dict]:
+def check(observations: list[dict], reference: NoCacheReference, tolerance: float, all_exact: bool = False,
+          pressure_tolerance: float | None = None) -> list[dict]:
     """Every oracle over one seed's observations; `all_exact`: the server is SGLang's own cache (the
-    control), whose every answer must equal the server without cache's."""
-    reference.prefetch([(o["ids"], len(o["output_ids"]), o.get("logprob_start", -1))
+    control), whose every answer must equal the server without cache's; `pressure_tolerance`: the
+    server's `pressure.tolerance` (None: no pressure thresholds)."""
+    reference.prefetch([(o["ids"], len(o["output_ids"]), o.get("logprob_start", -1), o.get("sample"))
                         for o in exactness_targets(observations, all_exact)])
     return (exactness_violations(observations, reference, tolerance, recheck=reference.ask,
                                  same_batch=same_batch_answers(observations, reference, all_exact), all_exact=all_exact)
             + tenancy_violations(observations)
             + status_violations(observations)
+            + pressure_violations(observations, pressure_tolerance)
             + ([] if all_exact else label_violations(observations)))
 
 
@@ -112,9 +116,11 @@ def path_counts(observations: list[dict], violations: list[dict], ops_by_index: 
     for o in observations:
         for path in o.get("paths") or ():
             out.setdefault(path, {"requests": 0, "violations": 0})["requests"] += 1
+    by_request = {(o["op"], o["part"]): o.get("paths") for o in observations}
     for v in violations:
         op = ops_by_index.get(v.get("op"))
-        for path in paths_of(op) if op is not None else ("server",):
+        seen = by_request.get((v.get("op"), v.get("part")))
+        for path in seen or (paths_of(op) if op is not None else ("server",)):
             out.setdefault(path, {"requests": 0, "violations": 0})["violations"] += 1
     return out
 
@@ -134,23 +140,28 @@ def _signature(v: dict, ops_by_index: dict[int, dict]) -> tuple:
 
 
 def _replay(server, reference: NoCacheReference, tolerance: float, violation: dict,
-            all_exact: bool = False) -> Callable[[list[dict]], bool]:
+            all_exact: bool = False, pressure_tolerance: float | None = None) -> Callable[[list[dict]], bool]:
     def reproduces(ops: list[dict]) -> bool:
         flush(server.url)
         observations = run_ops(server.url, [[op] for op in ops])
         return any(v["oracle"] == violation["oracle"] and v["op"] == violation["op"] and v["part"] == violation["part"]
-                   for v in check(observations, reference, tolerance, all_exact))
+                   for v in check(observations, reference, tolerance, all_exact, pressure_tolerance))
     return reproduces
 
 
 def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: int, shape: WorkloadShape,
                 tolerance: float, concurrency: int = 4, shrink_budget: int = 8, max_shrinks: int = 4,
                 deadline: float | None = None, restart: Callable[[], None] | None = None,
-                all_exact: bool = False) -> dict:
+                all_exact: bool = False, pressure_tolerance: float | None = None,
+                storage: bool = False) -> dict:
     """Returns {"seeds", "ops", "requests", "statuses", "claims", "paths" (per request path: requests
     and violations), "violations", "wall_s"}; each
     violation carries its seed and, where shrunk, its reproduction. `all_exact`: the server is
-    SGLang's own cache (the control): every answer is checked against the server without cache."""
+    SGLang's own cache (the control): every answer is checked against the server without cache.
+    `pressure_tolerance`: the server's `pressure.tolerance`. `storage`: the server has HiCache's
+    storage tier: it is emptied before each seed, and the server is restarted (`restart`, which
+    must keep the storage and the port) after the seed's middle round, so the rest of the seed
+    reads what the first half stored (path `l3`: the requests after the restart)."""
     t0 = time.monotonic()
     paths: dict[str, dict[str, int]] = {}
     statuses: Counter = Counter()
@@ -164,21 +175,30 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
         workload: Workload = generate_workload(seed, n_ops, concurrency, shape)
         ops_by_index = {op["index"]: op for op in workload.ops()}
         log_start = len(server.log_text())
+        earlier_log = ""   # the log of the server before a restart within the seed
+        middle = len(workload.rounds) // 2 - 1 if storage and restart is not None else None
 
-        def alive(r: int, this_round: list[dict]) -> None:
+        def alive(r: int, this_round: list[dict], middle: int | None = middle) -> None:
+            nonlocal log_start, earlier_log
             if server.proc is None or server.proc.poll() is not None:
                 raise ServerDied(f"the server died in round {r}")
             if any(o["status"] == 0 and (o["error"] or "").startswith("timeout") for o in this_round):
                 _answers_or_died(server, r)
+            if r == middle and restart is not None:
+                earlier_log += server.log_text()[log_start:]
+                restart()
+                log_start = 0
 
         observations: list[dict] = []
         try:
+            if storage:
+                requests.post(f"{server.url}/hicache/storage-backend/clear", timeout=120).raise_for_status()
             flush(server.url)
             run_ops(server.url, workload.rounds, after_round=alive, observations=observations)
             before = idle_check_seconds(server.url)
             idle_checked = wait_for_idle_check(server, before)
         except (ServerDied, requests.RequestException) as err:
-            log = server.log_text()[log_start:]
+            log = earlier_log + server.log_text()[log_start:]
             last = max((o["round"] for o in observations), default=-1) + 1
             in_flight = workload.rounds[last] if last < len(workload.rounds) else workload.rounds[-1]
             violations.append({"oracle": "server died", "seed": seed, "op": None, "part": None, "round": None,
@@ -198,8 +218,12 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
         n_requests += len(observations)
         statuses.update(str(o["status"]) for o in observations)
         claims.update(str(exactness_claim(o["details"])) for o in observations if o["status"] == 200)
-        found = check(observations, reference, tolerance, all_exact)
-        found += log_violations(server.log_text()[log_start:])
+        if middle is not None:
+            for o in observations:
+                if o["round"] > middle:
+                    o["paths"] = [*o["paths"], "l3"]
+        found = check(observations, reference, tolerance, all_exact, pressure_tolerance)
+        found += log_violations(earlier_log + server.log_text()[log_start:])
         if not idle_checked:
             found.append({"oracle": "idle check", "op": None, "part": None, "round": None, "kind": None,
                           "detail": {"error": "SGLang's idle pool and tree check did not run within 60 s of the "
@@ -212,7 +236,8 @@ def fuzz_server(server, reference: NoCacheReference, seeds: list[int], n_ops: in
                                      "note": "the server without cache's batched answer, not a cache's"}
             elif v["op"] is not None and sig not in shrunk and len(shrunk) < max_shrinks:
                 shrunk.add(sig)
-                result = shrink(workload.ops(), v["op"], _replay(server, reference, tolerance, v, all_exact), shrink_budget)
+                result = shrink(workload.ops(), v["op"],
+                                _replay(server, reference, tolerance, v, all_exact, pressure_tolerance), shrink_budget)
                 v["reproduction"] = {"seed": seed, "round": v["round"], **result}
             elif v["op"] is not None:
                 v["reproduction"] = {"seed": seed, "round": v["round"], "ops": [ops_by_index[v["op"]]],

@@ -15,7 +15,13 @@ op's prompt and answer at run time). Op kinds (`op`):
   with its id (which must be refused: 400 naming the field), then the owner's next turn.
 
 A `generate` op may also ask for input logprobs from a position inside its prompt
-(`logprob_start`), several answers at once (`n`), or a long decode (`new` >= `LONG_DECODE`).
+(`logprob_start`), several answers at once (`n`), a long decode (`new` >= `LONG_DECODE`), or
+sampling with a temperature and a seed (`sample`: [temperature, sampling_seed]; the servers run
+`--enable-deterministic-inference`, under which SGLang's sampler draws from the seed and the
+token's position, so a cache's exact answer samples what the server without cache samples).
+
+Paths only the answer can tell (`retraction`: SGLang's `num_retractions` > 0; `pressure`: the
+answer's pressure block says its arrival was pressed) are added by the client.
 
 Every request carries a tenant (`extra_key`, `cache_salt`, or none) and, most of the time,
 per-request Tail-Replay overrides (`exactness`, `budget`, `kv_mode`, `keep_checkpoints`,
@@ -33,6 +39,8 @@ from dataclasses import dataclass, field
 TENANTS: tuple[tuple[str | None, str | None], ...] = (
     (None, None), ("tenant-a", None), ("tenant-b", None), (None, "salt-1"), ("tenant-a", "salt-2"))
 EXACTNESS = ("approximate", "exact_first", "exact")
+#: under a server with pressure thresholds (`WorkloadShape.pressure`), the pressure mode too
+PRESSURE_EXACTNESS = (*EXACTNESS, "exact_unless_pressed")
 BUDGETS = (0.0, 0.02, 0.05, 0.25, 1.0)
 TOKEN_LOW, TOKEN_HIGH = 10, 500          # content ids (the tiny fixtures' vocab is 512)
 #: new tokens of a long decode
@@ -49,6 +57,13 @@ class WorkloadShape:
     sessions: bool = True
     max_context: int = 1500
     states: tuple[str, ...] = ("predecessor", "zero")
+    #: the server has pressure thresholds: requests may ask "exact_unless_pressed"
+    pressure: bool = False
+    #: share of plain `generate` ops that decode `LONG_DECODE` tokens (a small KV pool then
+    #: forces SGLang to retract running requests)
+    long_decode_rate: float = 0.05
+    #: share of plain `generate` ops that sample with a temperature and a seed
+    sampled_rate: float = 0.08
 
 
 @dataclass
@@ -65,11 +80,11 @@ def _ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(TOKEN_LOW, TOKEN_HIGH) for _ in range(n)]
 
 
-def _overrides(rng: random.Random) -> dict | None:
+def _overrides(rng: random.Random, pressure: bool = False) -> dict | None:
     """Per-request Tail-Replay overrides (None: the server's defaults)."""
     if rng.random() < 0.25:
         return None
-    out: dict = {"exactness": rng.choice(EXACTNESS)}
+    out: dict = {"exactness": rng.choice(PRESSURE_EXACTNESS if pressure else EXACTNESS)}
     if rng.random() < 0.7:
         out["budget"] = rng.choice(BUDGETS)
     if rng.random() < 0.12:
@@ -108,7 +123,7 @@ class _Builder:
     def _generate(self, tenant, earlier: list[dict]) -> dict:
         rng = self.rng
         new = rng.randint(1, 8)
-        fields: dict = {"new": new, "tail_replay": _overrides(rng)}
+        fields: dict = {"new": new, "tail_replay": _overrides(rng, self.shape.pressure)}
         if earlier and rng.random() < 0.3:
             prev = rng.choice(earlier)
             tail = _ids(rng, rng.randint(1, 30))
@@ -122,12 +137,15 @@ class _Builder:
             fields["linearkv"] = self._layout(len(ids))
         else:
             extra = rng.random()
+            long_end = 0.17 + self.shape.long_decode_rate
             if extra < 0.1:
                 fields["logprob_start"] = rng.randrange(len(ids))
             elif extra < 0.17:
                 fields["n"] = 2
-            elif extra < 0.22 and len(ids) + LONG_DECODE < self.shape.max_context:
+            elif extra < long_end and len(ids) + LONG_DECODE < self.shape.max_context:
                 fields["new"] = new = LONG_DECODE
+            elif long_end <= extra < long_end + self.shape.sampled_rate:
+                fields["sample"] = [rng.choice((0.6, 1.0, 1.3)), rng.randrange(1 << 31)]
         op = self._op("generate", tenant, ids=ids, **fields)
         self.lengths[op["index"]] = len(ids) + new
         return op
@@ -158,14 +176,14 @@ class _Builder:
     def _batch(self, tenant) -> dict:
         rng = self.rng
         prompts = [self._prompt(tenant) for _ in range(rng.randint(2, 3))]
-        op = self._op("batch", tenant, prompts=prompts, new=rng.randint(1, 6), tail_replay=_overrides(rng))
+        op = self._op("batch", tenant, prompts=prompts, new=rng.randint(1, 6), tail_replay=_overrides(rng, self.shape.pressure))
         self.lengths[op["index"]] = max(map(len, prompts)) + op["new"]
         return op
 
     def _abort(self, tenant) -> dict:
         rng = self.rng
         op = self._op("abort", tenant, ids=self._prompt(tenant), new=rng.randint(24, 48),
-                      tail_replay=_overrides(rng), after_events=rng.randint(1, 3),
+                      tail_replay=_overrides(rng, self.shape.pressure), after_events=rng.randint(1, 3),
                       how=rng.choice(("disconnect", "abort_request")))
         self.lengths[op["index"]] = len(op["ids"]) + op["new"]
         return op
@@ -180,7 +198,7 @@ class _Builder:
             if total + len(ids) + new >= self.shape.max_context:
                 break
             total += len(ids) + new
-            turns.append({"ids": ids, "new": new, "tail_replay": _overrides(rng)})
+            turns.append({"ids": ids, "new": new, "tail_replay": _overrides(rng, self.shape.pressure)})
         abort_last = len(turns) >= 2 and rng.random() < 0.5
         if abort_last:
             turns[-1]["new"] = rng.randint(24, 48)
@@ -192,10 +210,10 @@ class _Builder:
         session's id, then the owner's second turn."""
         rng = self.rng
         intruder = rng.choice([t for t in TENANTS if t != tenant])
-        turns = [{"ids": self._prompt(tenant), "new": rng.randint(1, 6), "tail_replay": _overrides(rng)},
-                 {"ids": _ids(rng, rng.randint(1, 20)), "new": rng.randint(1, 4), "tail_replay": _overrides(rng),
+        turns = [{"ids": self._prompt(tenant), "new": rng.randint(1, 6), "tail_replay": _overrides(rng, self.shape.pressure)},
+                 {"ids": _ids(rng, rng.randint(1, 20)), "new": rng.randint(1, 4), "tail_replay": _overrides(rng, self.shape.pressure),
                   "tenant": list(intruder)},
-                 {"ids": _ids(rng, rng.randint(1, 20)), "new": rng.randint(1, 6), "tail_replay": _overrides(rng)}]
+                 {"ids": _ids(rng, rng.randint(1, 20)), "new": rng.randint(1, 6), "tail_replay": _overrides(rng, self.shape.pressure)}]
         return self._op("foreign_session", tenant, turns=turns)
 
     def _probe(self, tenant) -> dict:
@@ -204,7 +222,7 @@ class _Builder:
         owner = rng.choice([t for t in TENANTS if t != tenant])
         doc = self.private[owner]
         ids = doc[:rng.randint(len(doc) // 2, len(doc))] + _ids(rng, rng.randint(1, 8))
-        op = self._op("generate", tenant, ids=ids, new=rng.randint(1, 4), tail_replay=_overrides(rng))
+        op = self._op("generate", tenant, ids=ids, new=rng.randint(1, 4), tail_replay=_overrides(rng, self.shape.pressure))
         self.lengths[op["index"]] = len(ids) + op["new"]
         return op
 
@@ -258,11 +276,11 @@ def requests_in(op: dict) -> int:
 
 def paths_of(op: dict) -> list[str]:
     """The request paths an op exercises (the report's `paths`): its kind, and for a `generate`
-    op `chunked`, `input_logprobs`, `n_gt_1`, `long_decode`, `continuation` or `plain`."""
+    op `chunked`, `input_logprobs`, `n_gt_1`, `long_decode`, `sampled`, `continuation` or `plain`."""
     kind = op["op"]
     if kind != "generate":
         return [kind]
     out = [name for name, on in (("chunked", "linearkv" in op), ("input_logprobs", "logprob_start" in op),
                                  ("n_gt_1", op.get("n", 1) > 1), ("long_decode", op["new"] >= LONG_DECODE),
-                                 ("continuation", "continue_of" in op)) if on]
+                                 ("sampled", "sample" in op), ("continuation", "continue_of" in op)) if on]
     return out or ["plain"]

@@ -13,7 +13,9 @@ the live quality audit's sampling decision, divergence and store of served distr
 `insert_provenance` (pure: the one place that decides the bounds of what enters the tree; fail
 closed), `own_tail` (kv_mode "recompute"), `pressure` (pure: `exactness: "exact_unless_pressed"`'s
 thresholds and the arrival stamp, written on the replica's first rank by
-`patches/tail_replay_pressure.py` before SGLang broadcasts the request to the other ranks).
+`patches/tail_replay_pressure.py` before SGLang broadcasts the request to the other ranks),
+`label_transfer` (pure: PD disaggregation, the prefill server's answer label in a row of the
+transferred metadata, read back by the decode server; `patches/tail_replay_disagg.py`).
 The SGLang adapter (`--radix-cache-backend
 tail_replay`), one concern per module: `cache` (the match and its plan, the factory), `component`
 (the Mamba component), `tree_provenance` (a node's provenance on insert / split / overlap, the
@@ -122,6 +124,7 @@ from sglang_ext.tail_replay.config import (
     with_overrides,
 )
 from sglang_ext.tail_replay.decay_profile import PERCENTILES
+from sglang_ext.tail_replay.label_transfer import ROW_WORDS, decode_side_label, encode_label, merge_labels
 from sglang_ext.tail_replay.metrics import (
     META_KEY,
     answer_label,
@@ -151,6 +154,7 @@ from sglang_ext.tail_replay.repair import (
 )
 from sglang_ext.tail_replay.request import (
     KIND_ASSEMBLED,
+    KIND_TRANSFERRED_UNLABELLED,
     KIND_UNTRACKED,
     RECORD_ATTR,
     TailReplayRequest,
@@ -198,6 +202,7 @@ __all__ = [
     "shared_repair_due", "branch_repair_due",
     "BoundSegments", "DistributedHeadShards", "HeadShards", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
     "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
+    "KIND_TRANSFERRED_UNLABELLED", "ROW_WORDS", "decode_side_label", "encode_label", "merge_labels",
     *_FROM_CACHE,
 ]
 

@@ -230,7 +230,11 @@ def answer_label(record: TailReplayRequest | None, prompt_len: int, logprob_star
     provenance; or that generated tokens so served before a retraction re-planned it) the
     fail-closed label `exact: false, kv_exact: false, bound: None` with the kind
     that says why (`TailReplayRequest.served_as`: "assembled", "untracked"). Counted once per
-    request with a record, as `replay_summary` counts."""
+    request with a record, as `replay_summary` counts. On a PD decode server: the label the prefill
+    server carried with the transfer (`TailReplayRequest.carried_label`; not counted here, the
+    prefill server counted the request)."""
+    if record is not None and record.carried_label is not None:
+        return dict(record.carried_label)
     if record is not None and record.plan is not None and record.earlier_served_as is None:
         return replay_summary(record, prompt_len, logprob_start)
     kind = KIND_UNTRACKED if record is None else (record.earlier_served_as or record.served_as or KIND_UNTRACKED)

@@ -34,6 +34,10 @@ RECORD_ATTR = "sglang_ext_tail_replay"
 #: `metrics.answer_label`): what they read has no known provenance / was assembled from chunk KV
 KIND_UNTRACKED = "untracked"
 KIND_ASSEMBLED = "assembled"
+#: label kind of a PD decode server's answer whose prefill server carried no readable label with
+#: the transfer (`label_transfer.decode_side_label`: a stock prefill, a transfer that does not copy
+#: the label's buffer, the fake backend, a damaged row)
+KIND_TRANSFERRED_UNLABELLED = "transferred_unlabelled"
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,10 @@ class TailReplayRequest:
     #: `served_as` of an earlier match under which the request generated tokens (then it was
     #: retracted and matched again): the answer keeps that label kind, whatever the new plan
     earlier_served_as: str | None = None
+    #: PD disaggregation, decode side: the label the prefill server carried with the transfer
+    #: (`label_transfer.decode_side_label`; fail closed where none was readable), which
+    #: `metrics.answer_label` returns; None on every other server
+    carried_label: dict | None = None
 
     @property
     def strict(self) -> bool:

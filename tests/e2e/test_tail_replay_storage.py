@@ -38,7 +38,7 @@ from sglang_ext.cluster import free_ports, mooncake_extra_config, mooncake_maste
 from tests.e2e.serving import LOGPROB_ATOL, STRICT_CHECK_ENV, assert_matches_reference, greedy, random_prompt, sanity_check_seconds, wait_for_idle_check
 
 PROMPT, NEW = 300, 6
-ARGS = ["--dtype", "float32", "--radix-cache-backend", "tail_replay", "--enable-hierarchical-cache",
+ARGS = ["--dtype", "float32", "--radix-cache-backend", "tail_replay", "--enable-hierarchical-cache", "--enable-streaming-session",
         "--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", "wait_complete",
         "--max-total-tokens", "2048", "--max-mamba-cache-size", "8",
         "--tail-replay-config", json.dumps({"keep_checkpoints": False})]
@@ -271,6 +271,28 @@ def test_stored_prefixes_are_kept_apart_per_tenant(servers, store):
 
     assert plan(send("tenant-b"))["matched_tokens"] == 0       # another tenant's pages are not its
     assert plan(send("tenant-a"))["matched_tokens"] == PROMPT
+
+
+def test_a_streaming_session_continues_on_a_server_with_storage(servers):
+    """A session's second turn matches its slot's stand-in node; the storage prefetch used to ask
+    the tree about it and kill the scheduler (`patches/session_storage_prefetch.py`). Both turns
+    answer, the second continues the first's context, and the server stays up."""
+    writer, _ = servers
+    sid = "storage-session"
+    requests.post(f"{writer.url}/open_session", json={"capacity_of_str_len": 1 << 16, "session_id": sid,
+                                                      "streaming": True}, timeout=60).raise_for_status()
+    try:
+        turns = []
+        for seed in (71, 72, 73):
+            resp = requests.post(f"{writer.url}/generate", timeout=300, json={
+                "input_ids": random_prompt(40, seed=seed), "session_params": {"id": sid},
+                "sampling_params": {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}})
+            assert resp.status_code == 200, resp.text[:300]
+            turns.append(resp.json())
+        assert [t["meta_info"]["prompt_tokens"] for t in turns] == [40, 40 + NEW + 40, 2 * (40 + NEW) + 40]
+    finally:
+        requests.post(f"{writer.url}/close_session", json={"session_id": sid}, timeout=60)
+    requests.get(f"{writer.url}/health_generate", timeout=120).raise_for_status()
 
 
 def test_both_servers_end_with_clean_pools(servers):

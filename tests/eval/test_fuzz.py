@@ -11,6 +11,7 @@ from eval.fuzz.oracles import (
     exactness_violations,
     label_violations,
     log_violations,
+    pressure_violations,
     status_violations,
     tenancy_violations,
 )
@@ -29,8 +30,8 @@ def test_same_seed_same_workload_and_ops_are_valid():
     kinds = {op["op"] for op in ops}
     assert kinds == {"generate", "batch", "abort", "session", "foreign_session"}
     paths = {path for op in generate_workload(3, 400, 4, shape).ops() for path in paths_of(op)}
-    assert {"chunked", "input_logprobs", "n_gt_1", "long_decode", "continuation", "plain", "batch", "abort",
-            "session", "foreign_session"} <= paths, paths
+    assert {"chunked", "input_logprobs", "n_gt_1", "long_decode", "sampled", "continuation", "plain", "batch",
+            "abort", "session", "foreign_session"} <= paths, paths
     assert any("linearkv" in op for op in ops) and any("continue_of" in op for op in ops)
     for op in ops:
         assert tuple(op["tenant"]) in TENANTS and requests_in(op) >= 1
@@ -41,6 +42,9 @@ def test_same_seed_same_workload_and_ops_are_valid():
             assert op["turns"][1]["tenant"] != op["tenant"] and "tenant" not in op["turns"][2]
         if "logprob_start" in op:
             assert 0 <= op["logprob_start"] < len(op["ids"])
+        if "sample" in op:       # a temperature and a seed, never with n > 1 or input logprobs
+            assert op["sample"][0] > 0 and isinstance(op["sample"][1], int) and op.get("n", 1) == 1
+            assert "logprob_start" not in op
         if op["op"] == "generate" and op["new"] >= LONG_DECODE:
             assert len(op["ids"]) + op["new"] < shape.max_context
         if "linearkv" in op:      # spans ordered, disjoint, inside the prompt, a question after them
@@ -76,7 +80,7 @@ def test_tenancy_oracle_bounds_cached_tokens_by_the_tenants_own_prefixes():
 
 
 def test_exactness_oracle_checks_claims_and_exact_requests_against_the_reference():
-    def reference(ids, new, start=-1):
+    def reference(ids, new, start=-1, sample=None):
         return [5] * new, [-1.0] * new
 
     claimed = {"tail_replay": {"exact": True}}
@@ -92,14 +96,14 @@ def test_exactness_oracle_checks_claims_and_exact_requests_against_the_reference
     obs[0]["logprobs"] = [-1.0, -1.02]
     assert [v["op"] for v in exactness_violations(obs[:1], reference, tolerance=1e-4)] == [0]
     # the reference asked alone agrees with op 1: its batched answer was the odd one out
-    found = exactness_violations(obs[:2], reference, tolerance=1e-4, recheck=lambda ids, new, start: ([5, 6], [-1.0] * new))
+    found = exactness_violations(obs[:2], reference, tolerance=1e-4, recheck=lambda ids, new, start, sample: ([5, 6], [-1.0] * new))
     assert [(v["op"], v["oracle"]) for v in found] == [(0, "exactness"), (1, "reference unstable")]
     assert exactness_claim({"tail_replay": {"exact": True, "kv_exact": False}}) is False
     assert exactness_claim({}) is None
 
 
 def test_a_batch_part_may_agree_with_the_same_batch_and_the_control_claims_every_answer():
-    def reference(ids, new, start=-1):
+    def reference(ids, new, start=-1, sample=None):
         return [5] * new, [-1.0] * new
 
     claimed = {"tail_replay": {"exact": True}}
@@ -122,7 +126,7 @@ def test_chunked_and_input_logprob_requests_are_checked_too():
     request with input logprobs is compared on them as well (the reference asked from the same
     position); a chunked request's reuse is bounded by its tenant's prefixes and what it
     registered itself (P and its chunks: up to its last chunk's end)."""
-    def reference(ids, new, start=-1):
+    def reference(ids, new, start=-1, sample=None):
         return [5] * new, ([-2.0] * (len(ids) - start - 1) if start >= 0 else []) + [-1.0] * new
 
     chunked = _obs(0, [1, 2, 3, 4], [5, 6], overrides={"exactness": "exact"}, chunked=True)
@@ -185,3 +189,47 @@ def test_shrink_keeps_dependencies_and_drops_unrelated_ops():
     assert result["reproduced"] and [op["index"] for op in result["ops"]] == [2, 5, 6, 7]
     assert runs[0] == [2, 6, 7]   # first the op with what it continues
     assert not shrink(ops, 7, lambda cand: False, budget=10)["reproduced"]
+
+
+def test_sampled_answers_are_compared_under_their_seed():
+    """The reference is asked with the answer's temperature and seed (a greedy reference would
+    differ); the same tokens under another seed are not the reference's."""
+    asked = []
+
+    def reference(ids, new, start=-1, sample=None):
+        asked.append(sample)
+        return ([7] * new if sample == [1.0, 3] else [5] * new), [-1.0] * new
+
+    obs = _obs(0, [1, 2], [7, 7], details={"tail_replay": {"exact": True}}, sample=[1.0, 3])
+    assert exactness_violations([obs], reference, 1e-4) == [] and asked == [[1.0, 3]]
+    obs["sample"] = [1.0, 4]
+    assert [v["op"] for v in exactness_violations([obs], reference, 1e-4)] == [0]
+    heavy = generate_workload(5, 300, 4, WorkloadShape(long_decode_rate=0.3, sampled_rate=0.0)).ops()
+    assert sum(op.get("new", 0) >= LONG_DECODE for op in heavy) > 3 * sum(
+        op.get("new", 0) >= LONG_DECODE for op in generate_workload(5, 300, 4, WorkloadShape()).ops())
+    assert not any("sample" in op for op in heavy)
+
+
+def test_pressure_oracle_and_unpressed_answers_are_exactness_targets():
+    """An approximate plan under pressure: pressed, certified within the tolerance, labelled not
+    exact. An answer not pressed (or pressed beyond the tolerance) must equal the reference though
+    it neither claims nor asked exactness."""
+    def label(pressed_by, outcome, bound, exact=False):
+        return {"tail_replay": {"kind": "approximate", "exact": exact, "kv_exact": False, "bound": 0.01,
+                                "pressure": {"pressed_by": pressed_by, "outcome": outcome, "planned_bound": bound}}}
+
+    obs = [_obs(0, [1], [2], details=label(["num_queue_reqs"], "approximate", 0.04)),
+           _obs(1, [1], [2], details=label(["num_queue_reqs"], "approximate", 0.06)),    # beyond tolerance
+           _obs(2, [1], [2], details=label([], "approximate", 0.01)),                    # not pressed
+           _obs(3, [1], [2], details=label(["num_queue_reqs"], "approximate", 0.01, exact=True)),  # says exact
+           _obs(4, [1], [2], details=label(["num_queue_reqs"], "approximate", None))]     # no certified bound
+    assert [v["op"] for v in pressure_violations(obs, 0.05)] == [1, 2, 3, 4]
+    assert [v["op"] for v in pressure_violations(obs, None)] == [0, 1, 2, 3, 4]
+
+    def reference(ids, new, start=-1, sample=None):
+        return [9] * new, [-1.0] * new
+
+    served = [_obs(5, [1], [2], details=label([], "not_pressed", None)),
+              _obs(6, [1], [2], details=label(["num_queue_reqs"], "beyond_tolerance", 0.2)),
+              _obs(7, [1], [2], details=label(["num_queue_reqs"], "approximate", 0.01))]
+    assert [v["op"] for v in exactness_violations(served, reference, 1e-4)] == [5, 6]
