@@ -1,4 +1,4 @@
-"""What an exact hit costs on Tail-Replay against the same hit on stock SGLang (issue 25).
+"""What an exact hit costs on Tail-Replay against the same hit on stock SGLang.
 
 Two servers side by side on one model (tiny Qwen3-Next fixture unless `--model`), both
 `--mamba-radix-cache-strategy extra_buffer` (SGLang's GPU default): stock SGLang and Tail-Replay

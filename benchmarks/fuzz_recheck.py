@@ -1,4 +1,4 @@
-"""Recheck an exactness-fuzzer report's findings against SGLang's own numerics (issue 43).
+"""Recheck an exactness-fuzzer report's findings against SGLang's own numerics.
 
     .venv/bin/python -m benchmarks.fuzz_recheck --report docs/results/exactness-fuzz-long/report.json \
         --model runs/exactness-fuzz/models/qwen3-next --out docs/results/exactness-fuzz-long/recheck.json

@@ -1,4 +1,4 @@
-"""TTFT through the live server: LinearKV chunk reuse vs full prefill (issue 18).
+"""TTFT through the live server: LinearKV chunk reuse vs full prefill.
 
 One `--radix-cache-backend linearkv` server (selector none unless `--selector`, e.g. epic-16,
 state `predecessor` unless `--state`); for each prompt length L a prompt is `P | C_1 .. C_K | Q`: a short system prefix P,

@@ -1,4 +1,4 @@
-"""Where a short replay hit's time goes: the replay itself, or what surrounds it (issue 25).
+"""Where a short replay hit's time goes: the replay itself, or what surrounds it.
 
 One Tail-Replay server (the defaults, tiny Qwen3-Next fixture). Per repetition, interleaved, four
 requests whose TTFT is timed by the client (one output token, greedy), each on fresh random tokens:

@@ -1,6 +1,6 @@
 """Repeated `python -m eval.replay` runs of the same servers, compared with a baseline per run and
-summed up as medians (issue 45: "every load comparison needs repetitions"; "median of three
-interleaved runs").
+summed up as medians (every load comparison needs repetitions: the median of three interleaved
+runs).
 
     .venv/bin/python -m benchmarks.replay_repeats --runs docs/results/replay-leisure-{1,2,3} \
         --baseline stock --out docs/results/replay-leisure-summary

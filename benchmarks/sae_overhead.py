@@ -1,4 +1,4 @@
-"""SAE's decision overhead per request against prefill time at 8K prompts (issue 16, target <= 2 %).
+"""SAE's decision overhead per request against prefill time at 8K prompts (<= 2 %).
 
 One patched CPU server (tiny Qwen3-Next fixture, default backend, `--radix-eviction-policy sae`,
 `--enable-metrics`), a KV pool of 2 x 8K tokens (+ 1,024) and 8 state slots, so from the third

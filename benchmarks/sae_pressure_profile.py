@@ -1,4 +1,4 @@
-"""Where a profiled replay's scheduler time goes, SAE or Tail-Replay against its baseline (issue 45 items 5, 3).
+"""Where a profiled replay's scheduler time goes, SAE or Tail-Replay against its baseline.
 
     .venv/bin/python -m benchmarks.sae_pressure_profile docs/results/replay-sae-load --baseline lru
     .venv/bin/python -m benchmarks.sae_pressure_profile docs/results/replay-leisure-profile --baseline stock

@@ -12,7 +12,7 @@ saving per cached prefix is that whole number; the state pool then needs only th
 requests' own slots (one each, plus the ping-pong track slots of SGLang's `extra_buffer` strategy,
 see patches/tail_replay_sizing.py).
 
-LinearKV chunks (issue 27): a registered chunk holds its attention KV and, unless it is KV-only
+LinearKV chunks: a registered chunk holds its attention KV and, unless it is KV-only
 (state rules `zero` / `replay`, whose registrations keep no state), one state slot; the second
 table is how many chunks of `--chunk-tokens` fit in a GiB either way. KV bytes per token follow
 SGLang's MHA token pool: K and V of [kv_heads / tp, head_dim] per attention layer, in the KV

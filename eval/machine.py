@@ -1,4 +1,4 @@
-"""What else the machine is doing while a benchmark times something (issue 13, item 4).
+"""What else the machine is doing while a benchmark times something.
 
 Benchmarks call `sample_load` before each timed phase, store `MachineLoad.as_dict()` beside
 their timings, and call `require_quiet` so that timings taken next to other CPU work are not

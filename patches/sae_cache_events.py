@@ -1,4 +1,4 @@
-"""SAE's match and insert events (issue 16): which cached nodes a request read, and which it
+"""SAE's match and insert events: which cached nodes a request read, and which it
 added, with the request's token types and session.
 
 Targets (SGLang 0.5.23): `srt/mem_cache/unified_radix_cache.py: UnifiedRadixCache.match_prefix`

@@ -1,4 +1,4 @@
-"""Token types of chat-completion requests from their message roles (issue 16).
+"""Token types of chat-completion requests from their message roles.
 
 Target (SGLang 0.5.23): `srt/entrypoints/openai/serving_chat.py: OpenAIServingChat.
 _convert_to_internal_request`, which renders the messages with the chat template into prompt

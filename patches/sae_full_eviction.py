@@ -1,4 +1,4 @@
-"""SAE chooses the full-KV leaves to evict (issue 16).
+"""SAE chooses the full-KV leaves to evict.
 
 Target (SGLang 0.5.23): `srt/mem_cache/unified_cache/components/full.py: FullComponent.
 _evict_device_start / _evict_device_next_node / _evict_device_end`, the walk that hands the

@@ -1,4 +1,4 @@
-"""`--radix-eviction-policy sae`: SAECache as a radix eviction policy (issue 16).
+"""`--radix-eviction-policy sae`: SAECache as a radix eviction policy.
 
 Targets (SGLang 0.5.23): `srt/mem_cache/utils.py: _EVICTION_POLICY_FACTORIES` (the factory
 `get_eviction_strategy` builds from `--radix-eviction-policy-config` as keyword arguments),

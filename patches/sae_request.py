@@ -1,4 +1,4 @@
-"""Check SAE's request fields when a request arrives (issue 16): a malformed or out-of-range
+"""Check SAE's request fields when a request arrives: a malformed or out-of-range
 `sampling_params.custom_params.token_types` span, or a bad `custom_params.session`, is that
 request's HTTP 400 naming the field; the server keeps serving.
 

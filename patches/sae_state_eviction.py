@@ -1,4 +1,4 @@
-"""SAE chooses which recurrent-state checkpoints to free (issue 16).
+"""SAE chooses which recurrent-state checkpoints to free.
 
 Target (SGLang 0.5.23): `srt/mem_cache/unified_cache/components/mamba.py: MambaComponent.
 _evict_device_start / _evict_device_next_node / _evict_device_end`, the walk that frees state

@@ -1,4 +1,4 @@
-"""The package layout's one-way dependencies (issue 15): product <- eval <- training.
+"""The package layout's one-way dependencies: product <- eval <- training.
 
 - `sglang_ext/` and `patches/` (what a user installs to serve) import nothing from `eval`,
   `benchmarks` or `tests`;
@@ -56,7 +56,7 @@ def test_kernels_package_is_not_shadowed():
 
 
 def test_tail_replay_never_names_linearkv():
-    """Issue 28: Tail-Replay's code, its patches included, knows LinearKV only through the
+    """Tail-Replay's code, its patches included, knows LinearKV only through the
     extension points LinearKV registers (`sglang_ext.hooks`), never by import or by name."""
     files = sorted((ROOT / "sglang_ext" / "tail_replay").rglob("*.py")) + sorted((ROOT / "patches").glob("tail_replay_*.py"))
     assert len(files) > 10, files

@@ -1,5 +1,5 @@
-"""Every results file README.md and docs/ point to is in the repository and parses (issue 28
-item 2, the part that can be checked): a table's numbers can be traced to the file that holds
+"""Every results file README.md and docs/ point to is in the repository and parses (the
+part that can be checked): a table's numbers can be traced to the file that holds
 them. Paths are `docs/results/...` (from the repository root, as README.md and
 benchmarks/README.md write them) or `results/...` (relative to the document: from docs/, as the
 docs' own links write them; anywhere else such a path points to no results file and fails). A
@@ -29,7 +29,10 @@ import pytest
 from eval.linearkv.records import load_records
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: experiment logs beside their results (`docs/results/RUN/NOTES.md`) write every results path from
+#: the repository root (`docs/results/...`); their links are relative to the run folder (`../RUN/...`)
+NOTES = sorted((ROOT / "docs" / "results").rglob("NOTES.md"))
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md")), *NOTES]
 _PATH = re.compile(r"(?<![\w/.-])((?:docs/)?results/[A-Za-z0-9_.\-/]+)")
 _OUT_FLAG = re.compile(r"--out(?:-dir)?[ =]+$")   # right before a path: the command writes there
 _GIT_SHOW = re.compile(r"(?<![\w])([0-9a-f]{7,40}):$")  # right before a path: an artefact that left the tree
@@ -277,7 +280,7 @@ def _matches(value: float, half: float, pool: list[float]) -> bool:
 
 
 def _results_tables():
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *NOTES]:
         for line, comment, rows in _tables(doc):
             yield f"{doc.relative_to(ROOT)}:{line}", comment, rows
 
@@ -378,3 +381,17 @@ def test_a_historical_table_is_checked_against_the_commit_that_holds_its_run(tmp
         f"doc.md:4: cites {missing}, which is not a file that commit holds"]
     with pytest.raises(ValueError, match="git show 286d3cf:docs/results/no-such-run/report.json"):
         _git_show("286d3cf", "docs/results/no-such-run/report.json")
+
+
+#: a document under docs/ is a reference for the reader who uses or changes the thing: under this
+#: many lines; experiment logs live beside their results (`docs/results/RUN/NOTES.md`)
+DOC_MAX_LINES = 600
+
+
+def test_every_document_is_a_reference_of_bounded_length_and_is_indexed():
+    docs = sorted((ROOT / "docs").glob("*.md"))
+    long = {d.name: n for d in docs if (n := len(d.read_text().splitlines())) >= DOC_MAX_LINES}
+    assert not long, f"documents of {DOC_MAX_LINES}+ lines (move experiment logs to docs/results/RUN/NOTES.md): {long}"
+    index = (ROOT / "docs" / "README.md").read_text()
+    missing = [d.name for d in docs if d.name != "README.md" and f"]({d.name})" not in index]
+    assert not missing, f"docs/README.md does not list {missing}"

@@ -1,4 +1,4 @@
-"""LinearKV quality through the live server, against the reference path's records (issue 18).
+"""LinearKV quality through the live server, against the reference path's records.
 
     OMP_NUM_THREADS=1 python -m eval.linearkv.served --tasks niah,niah_mk,qa --lengths 1024,2048 \
         --samples 3 --reference docs/results/linearkv/results.jsonl.gz --out docs/results/linearkv/served

@@ -1,4 +1,4 @@
-"""How far the router's predicted hit depth is from the one the worker served (issue 26).
+"""How far the router's predicted hit depth is from the one the worker served.
 
 SGLang's router (`smg`, cache-aware policy) keeps its own prefix tree per worker and, for each
 routing decision, records the best match it found as a share of the request

@@ -1,4 +1,4 @@
-"""The differential exactness fuzzer's seed set (issue 43 item 7) on live servers.
+"""The differential exactness fuzzer's seed set  on live servers.
 
 Three servers start together (tiny Qwen3-Next, fp32): one without cache (the reference), Tail-Replay
 under `no_buffer` and LinearKV under `extra_buffer` (`eval.fuzz.configs`: small KV and state pools,

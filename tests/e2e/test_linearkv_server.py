@@ -617,7 +617,7 @@ def test_kv_events_leave_chunk_registrations_out(served):
 
 
 def test_a_plain_exact_request_over_assembled_tokens_reads_no_chunk_kv(served):
-    """Issue 43, item 1 (extra_buffer): an assembled request's context-free chunk KV, question KV
+    """(extra_buffer) An assembled request's context-free chunk KV, question KV
     and output are not exact; they must never come back as exact KV of the plain prompt. After a
     two-chunk request, the same token ids sent plainly with `exactness: "exact"` reuse at most P
     and answer as a server without cache does."""
@@ -639,7 +639,7 @@ def test_a_plain_exact_request_over_assembled_tokens_reads_no_chunk_kv(served):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_rounds_full_of_loads_and_plain_requests_keep_the_state_pool(served, arch):
-    """Issue 43, item 5: 24 requests at once, EPIC-4 requests over shared chunks (each load takes
+    """24 requests at once, EPIC-4 requests over shared chunks (each load takes
     its state slots, under extra_buffer its ping-pong slots too, and keeps 5 chunk states locked
     until its first forward) among plain prompts and fresh registrations, so admission rounds fill
     the state pool: every request answers, and afterwards the pools add up (SGLang's strict idle

@@ -625,7 +625,7 @@ def test_audit_rate_samples_approximate_answers_only(servers):
 
 
 def test_kv_exact_says_whether_everything_the_answer_read_was_exact(servers):
-    """Issue 43, item 3: `exact` (the state counts as exact) and `kv_exact` (no KV or state of bound
+    """`exact` (the state counts as exact) and `kv_exact` (no KV or state of bound
     > 0 anywhere on what the answer read) in meta_info and /metrics. A full exact replay over an
     approximate request's KV starts from an exact state (exact under exact_first) but reads that
     KV (not kv_exact); `exactness: "exact"` reads none of it (both)."""
@@ -647,7 +647,7 @@ def test_kv_exact_says_whether_everything_the_answer_read_was_exact(servers):
              for v in ("true", "false")}
     assert delta == {"true": 2, "false": 2}   # the warm-up and the strict one; the approximate and the replay
 
-# ---------------------------------------------------------------- streaming sessions (issue 43, item 2)
+# ---------------------------------------------------------------- streaming sessions
 
 
 def _open_session(server) -> dict:

@@ -1,5 +1,5 @@
 """Tail-Replay on SGLang's storage tier (HiCache L3, the file backend) in the real CPU server
-(issue 26 item 2).
+.
 
 Two Tail-Replay servers share one storage directory (`--hicache-storage-backend file`): the writer
 computes prefixes, HiCache writes them through to its host tier and on to storage; the reader has

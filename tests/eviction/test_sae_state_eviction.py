@@ -1,4 +1,4 @@
-"""SAE decides which recurrent-state checkpoints to free (issue 16), on SGLang's real pools
+"""SAE decides which recurrent-state checkpoints to free, on SGLang's real pools
 (Full + Mamba components from `sglang.test.kits.unified_radix_cache`), in both backends:
 SGLang's default `MambaComponent` and Tail-Replay's `TailReplayMambaComponent`.
 

@@ -1,4 +1,4 @@
-"""LinearKV at admission (issue 43, item 5): a round's state slots are budgeted for every request it
+"""LinearKV at admission: a round's state slots are budgeted for every request it
 admits, LinearKV loads (their state and ping-pong slots, and the chunk states their read locks keep
 out of the pool) included, so SGLang's `alloc_req_slots` after the round always finds the slots it
 asserts on. Runs the adapter's own budget code (`assembly.ChunkAssembly`) and the admission seam

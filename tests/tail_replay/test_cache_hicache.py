@@ -1,5 +1,5 @@
 """TailReplayRadixCache with SGLang's host tier (HiCache L2) on real SGLang pools: a KV-only host
-tier the planner plans over (issue 26).
+tier the planner plans over.
 
 The harness of test_cache_pools.py, plus SGLang's own HiCache set-up (`init_hicache`, the CPU
 engine's `direct` io backend and `page_first_direct` layout, patches/cpu_hicache.py)

@@ -740,7 +740,7 @@ def test_a_match_walks_its_path_once(page):
     h.assert_no_leak()
 
 
-# ---------------------------------------------------------------- fail closed (issue 43, item 1)
+# ---------------------------------------------------------------- fail closed
 
 
 @pytest.mark.parametrize("page", PAGE_SIZES)

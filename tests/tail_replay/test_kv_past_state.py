@@ -55,7 +55,7 @@ def test_a_finished_request_under_the_extra_buffer_inserts_the_kv_past_its_state
     (_cache(), _req(skip=True), 200),
     (_cache(), _req(protected=200), 200),                        # SGLang's insert reached the end
     (_cache(page_size=16), _req(), 200),                         # less than a page past the state
-    # untracked provenance (issue 43, item 1): nothing past what SGLang's insert took
+    # untracked provenance: nothing past what SGLang's insert took
     (_cache(), _req(record=_record(dropped=True)), 200),          # a dropped plan (LinearKV's assembly)
     (_cache(), _req(record=_record(planned=False)), 200),         # a record without a plan
     (_cache(), SimpleNamespace(**{**vars(_req()), RECORD_ATTR: None}), 200),   # no record (a session turn)

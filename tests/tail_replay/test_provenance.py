@@ -162,7 +162,7 @@ def test_exactness_keys_are_validated_and_the_threshold_is_the_servers():
     assert with_overrides(CFG, {"exactness": "exact"}).strict
 
 
-# ---------------------------------------------------------------- fail closed (issue 43, item 1)
+# ---------------------------------------------------------------- fail closed
 
 
 def _planned(carry=None, floor=0.0):
@@ -218,7 +218,7 @@ def test_untracked_kv_cuts_the_exact_mode_and_is_never_an_approximate_checkpoint
     assert plan.kind is not HitKind.APPROXIMATE_CHECKPOINT
 
 
-# ---------------------------------------------------------------- streaming sessions (issue 43, item 2)
+# ---------------------------------------------------------------- streaming sessions
 
 
 def _session(kv, reads_inexact=False):

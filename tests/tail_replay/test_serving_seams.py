@@ -121,7 +121,7 @@ def _kv_exact_total(value: str) -> float:
     ("approximate", 0.5, 0.0, False, False),
 ])
 def test_kv_exact_is_kept_apart_from_exact(exactness, carry_bound, floor, exact, kv_exact):
-    """Issue 43, item 3: `exact` (the state counts as exact) and `kv_exact` (everything the answer
+    """`exact` (the state counts as exact) and `kv_exact` (everything the answer
     read was exact) in meta_info's summary and in /metrics, once per request."""
     record = TailReplayRequest(config=TailReplayConfig(exactness=exactness))
     carry = None if carry_bound is None else CarryBound(100, math.log(carry_bound))

@@ -1,6 +1,6 @@
 """Streaming sessions' provenance (`tail_replay/sessions.py`) on a stand-in for SGLang's cache and
 session: each turn handed to its session carries the session's bounds forward, an aborted turn's
-release sees its session's history, a closed session forgets it (issue 43, item 2)."""
+release sees its session's history, a closed session forgets it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The default state eviction order never lets Tail-Replay's own states displace an exact state
-stock SGLang still holds (issue 45, item 3).
+stock SGLang still holds.
 
 The model: stock SGLang (its own `UnifiedRadixCache` with its own `MambaComponent`, state LRU
 and leaf eviction) and Tail-Replay (`TailReplayRadixCache`, the server's default config but for
