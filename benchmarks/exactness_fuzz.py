@@ -1,4 +1,4 @@
-"""The exactness fuzzer's long run : seeds against every server configuration in
+"""The exactness fuzzer's long run: seeds against every server configuration in
 `eval.fuzz.configs.CONFIGS` until a wall-clock deadline, then a report.
 
     python -m benchmarks.exactness_fuzz --until 02:50 --out docs/results/exactness-fuzz

@@ -1,4 +1,4 @@
-"""what `pip install .` gives a user. The wheel is built from the repository's own
+"""What `pip install .` gives a user. The wheel is built from the repository's own
 files (no network: the build tools of this environment, `--no-build-isolation`) and checked:
 
 - its top-level import names are `sglang_ext` (with the runtime patches as `sglang_ext.patches`)

@@ -1,4 +1,4 @@
-"""Differential exactness fuzzer : seeded hostile-but-valid workloads against live
+"""Differential exactness fuzzer: seeded hostile-but-valid workloads against live
 Tail-Replay and LinearKV servers, every answer labelled exact compared with a server without cache.
 
 - `workload`: the seeded generator (pure);

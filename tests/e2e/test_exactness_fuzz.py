@@ -1,7 +1,8 @@
-"""The differential exactness fuzzer's seed set  on live servers.
+"""The differential exactness fuzzer's seed set on live servers.
 
-Three servers start together (tiny Qwen3-Next, fp32): one without cache (the reference), Tail-Replay
-under `no_buffer` and LinearKV under `extra_buffer` (`eval.fuzz.configs`: small KV and state pools,
+Four servers start together (tiny Qwen3-Next, fp32, `--enable-deterministic-inference`): one without
+cache (the reference), Tail-Replay under `no_buffer`, LinearKV under `extra_buffer`, and Tail-Replay
+with SGLang's retraction switch on (`tr-retract`; `eval.fuzz.configs`: small KV and state pools,
 streaming sessions on, SGLang's strict idle pool check and tree sanity check on). Each configuration
 gets `SEEDS` seeded workloads (`eval.fuzz.workload`: mixed exactness modes and budgets, batches,
 aborts mid-decode, streaming sessions with aborted turns, LinearKV chunk layouts and the same tokens
@@ -25,8 +26,8 @@ from eval.fuzz.runner import fuzz_server
 from eval.fuzz.workload import generate_workload
 from eval.harness import start_servers, stop_servers
 
-SUITE_CONFIGS = ("tr-nobuf", "lkv-eb")
-SEEDS = {"tr-nobuf": [11], "lkv-eb": [12]}
+SUITE_CONFIGS = ("tr-nobuf", "lkv-eb", "tr-retract")
+SEEDS = {"tr-nobuf": [11], "lkv-eb": [12], "tr-retract": [13]}
 OPS = 32
 
 
@@ -61,3 +62,5 @@ def test_seed_set_finds_no_violation(fuzzed, name):
     assert result["seeds"] == SEEDS[name] and result["requests"] >= OPS, result
     assert result["statuses"].get("200", 0) > 0, result["statuses"]
     assert not result["violations"], json.dumps(result["violations"], indent=1)[:6000]
+    if name == "tr-retract":   # SGLang's retraction switch retracted running requests, and they answered
+        assert result["paths"].get("retraction", {}).get("requests", 0) > 0, result["paths"]

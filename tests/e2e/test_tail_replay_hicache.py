@@ -1,4 +1,4 @@
-"""Tail-Replay on SGLang's host tier (HiCache L2) in the real CPU server .
+"""Tail-Replay on SGLang's host tier (HiCache L2) in the real CPU server.
 
 `--radix-cache-backend tail_replay --enable-hierarchical-cache` with a device KV pool smaller than
 the traffic (`--max-total-tokens 1024`): HiCache writes every prefix through to the host, device
