@@ -19,7 +19,8 @@ filtered probabilities are scattered back to vocabulary order, and SGLang's own
 `multinomial_with_seed` draws from their logs, as the unfiltered path does from `log(probs)`. A row
 with no filter in effect therefore computes exactly what the unfiltered path computes, and a
 filtered row picks among its surviving tokens with the same noise. Applied in both modes: the bug
-is SGLang's, on GPUs too.
+is SGLang's, on GPUs too. (The filtered rows come from SGLang's own function, so its filter
+semantics stay its own; the draw it makes on the sorted columns is discarded.)
 """
 
 from __future__ import annotations
@@ -34,22 +35,22 @@ TARGET = "srt/layers/sampler.py: top_k_top_p_min_p_sampling_from_probs_torch (se
 def seeded_filtered_sample(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                            sampling_seed: torch.Tensor, positions: torch.Tensor,
                            return_filtered_probs: bool = False):
-    """SGLang's top-k / top-p filter on the sorted rows, scattered back to vocabulary order, then
-    SGLang's own `multinomial_with_seed` on their logs (noise keyed by vocabulary id; see the
-    module docstring). Same returns as the original."""
-    from sglang.srt.layers.sampler import multinomial_with_seed
+    """SGLang's own filter (its function, asked for the filtered sorted rows), scattered back to
+    vocabulary order, then SGLang's own `multinomial_with_seed` on their logs (noise keyed by
+    vocabulary id; see the module docstring). Same returns as the original."""
+    from sglang.srt.layers import sampler
 
-    probs_sort, probs_idx = probs.sort(dim=-1, descending=True)
-    probs_sum = torch.cumsum(probs_sort, dim=-1)
-    probs_sort[torch.arange(0, probs_sort.shape[-1], device=probs.device).view(1, -1) >= top_ks.view(-1, 1)] = 0.0
-    probs_sort[(probs_sum - probs_sort) > top_ps.view(-1, 1)] = 0.0
-    filtered = torch.zeros_like(probs).scatter_(1, probs_idx, probs_sort)
-    token = multinomial_with_seed(torch.log(filtered), sampling_seed, positions)   # (n, 1) vocabulary ids
+    original = getattr(sampler.top_k_top_p_min_p_sampling_from_probs_torch, "__wrapped__",
+                       sampler.top_k_top_p_min_p_sampling_from_probs_torch)
+    _, probs_sort, probs_idx, _ = original(probs, top_ks, top_ps, None, False, sampling_seed, positions,
+                                           return_filtered_probs=True)
+    filtered = torch.zeros_like(probs).scatter_(1, probs_idx.long(), probs_sort)
+    token = sampler.multinomial_with_seed(torch.log(filtered), sampling_seed, positions)   # (n, 1) vocabulary ids
     batch_next_token_ids = token.view(-1).to(torch.int32)
     if return_filtered_probs:
         sampled_index = torch.argmax((probs_idx == token).to(torch.int8), dim=1, keepdim=True)   # its rank
         selected_weight = torch.gather(probs_sort, 1, sampled_index).view(-1)
-        return batch_next_token_ids, probs_sort, probs_idx.to(torch.int32), selected_weight
+        return batch_next_token_ids, probs_sort, probs_idx, selected_weight
     return batch_next_token_ids
 
 

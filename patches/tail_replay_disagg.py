@@ -54,22 +54,20 @@ BUFFER_ATTR = "sglang_ext_tail_replay_label"
 
 
 def _labels_here() -> bool:
-    """Whether this server labels its answers (Tail-Replay's backend, or one registered with
-    `sglang_ext.hooks.add_request_backend`): the meta seam's rule."""
+    """Whether this server labels its answers: the meta seam's rule."""
     from sglang_ext.patches import tail_replay_meta
 
-    return tail_replay_meta._this_server_labels()
+    return tail_replay_meta.this_server_labels()
 
 
 def prefill_words(req: Any) -> list[int] | None:
-    """The row the prefill side writes for `req`: its answer label encoded, or None (zeros)."""
-    from sglang_ext.tail_replay import answer_label, encode_label, record_of
+    """The row the prefill side writes for `req`: the label its own `meta_info` would carry
+    (`tail_replay_meta.label_of`), encoded, or None (zeros)."""
+    from sglang_ext.patches import tail_replay_meta
+    from sglang_ext.tail_replay import encode_label
 
-    record = record_of(req)
-    if not ((record is not None and record.plan is not None) or _labels_here()):
-        return None
-    start = req.logprob_start_len if req.return_logprob else -1   # input logprobs read from there on
-    return encode_label(answer_label(record, len(req.origin_input_ids), start), req.bootstrap_room)
+    label = tail_replay_meta.label_of(req, _labels_here)
+    return None if label is None else encode_label(label, req.bootstrap_room)
 
 
 def write_label(buffers: Any, req: Any) -> None:

@@ -45,10 +45,26 @@ def _labels_answers(radix_cache_backend: str | None) -> bool:
     return radix_cache_backend == BACKEND_NAME or radix_cache_backend in request_backends()
 
 
-def _this_server_labels() -> bool:
+def this_server_labels() -> bool:
+    """Whether this server labels every answer (Tail-Replay's backend, or one registered with
+    `sglang_ext.hooks.add_request_backend`)."""
     from sglang.srt.runtime_context import get_server_args
 
     return _labels_answers(getattr(get_server_args(), "radix_cache_backend", None))
+
+
+def label_of(req, server_labels: Callable[[], bool] = this_server_labels) -> dict | None:
+    """The label an answer of `req` carries (`answer_label`, its input logprobs read from
+    `logprob_start_len`), or None: a request without a plan on a server that does not label
+    (`server_labels()`, asked only for a request without a plan). The one rule for `meta_info` and for what PD
+    disaggregation carries (`patches/tail_replay_disagg.py`)."""
+    from sglang_ext.tail_replay import answer_label, record_of
+
+    record = record_of(req)
+    if not ((record is not None and record.plan is not None) or server_labels()):
+        return None
+    start = req.logprob_start_len if req.return_logprob else -1   # input logprobs read from there on
+    return answer_label(record, len(req.origin_input_ids), start)
 
 
 def _wrap_cached_tokens_details(original: Callable) -> Callable:
@@ -61,7 +77,6 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
             META_KEY,
             REPAIR_KEY,
             SHARED_REPAIR_KEY,
-            answer_label,
             record_of,
             record_repair_finished,
             repair_due,
@@ -70,9 +85,8 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
 
         record = record_of(req)
         planned = record is not None and record.plan is not None
-        if planned or _this_server_labels():
-            start = req.logprob_start_len if req.return_logprob else -1   # input logprobs read from there on
-            summary = answer_label(record, len(req.origin_input_ids), start)
+        summary = label_of(req)
+        if summary is not None:
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(summary)}
         if planned:
             if repair_due(record.config, exact=summary.get("exact", True), finished=req.finished()):
