@@ -1,4 +1,4 @@
-"""Time SGLang's torch_native extend attention against `sglang_ext.patches.extend_attention`.
+"""Time SGLang's torch_native extend attention against `sglang_ext.patches.cpu.extend_attention`.
 
 One sequence: a cached prefix of P tokens plus N new tokens (fp32, causal), the case prefix
 reuse hits on CPU. Prints, per prefix length, the median seconds per call of the original and
@@ -23,7 +23,7 @@ patches.apply_patches("cpu")  # before any SGLang import
 import torch  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 
-from sglang_ext.patches import extend_attention  # noqa: E402
+from sglang_ext.patches.cpu import extend_attention  # noqa: E402
 
 
 def _case(prefix: int, new: int, heads: int, kv_heads: int, head_dim: int, seed: int = 0):

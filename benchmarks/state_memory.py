@@ -10,7 +10,7 @@ SSM state fp32 unless SGLANG_MAMBA_SSM_DTYPE / the config's mamba_ssm_dtype says
 In pure Tail-Replay mode (`keep_checkpoints: false`) the tree stores no state at all, so the
 saving per cached prefix is that whole number; the state pool then needs only the running
 requests' own slots (one each, plus the ping-pong track slots of SGLang's `extra_buffer` strategy,
-see patches/tail_replay_sizing.py).
+see patches/tail_replay/sizing.py).
 
 LinearKV chunks: a registered chunk holds its attention KV and, unless it is KV-only
 (state rules `zero` / `replay`, whose registrations keep no state), one state slot; the second

@@ -4,12 +4,12 @@ LinearKV). The plugin wires them once per process (`sglang_ext.plugin.register_c
 which every SGLang process of a patched server runs). Pure: no SGLang import.
 
 - decay captures: `req -> (accumulator, first, end) | None`: prefill rows of a request whose
-  per-layer log-decays the gate hooks sum (Tail-Replay's bound seam, `patches/tail_replay_batch.py`),
+  per-layer log-decays the gate hooks sum (Tail-Replay's bound seam, `patches/tail_replay/batch.py`),
   beside Tail-Replay's own approximate tails. LinearKV: a chunk registration's transition.
 - meta contributors: `req -> (key, summary) | None`: a per-request summary added to
-  `meta_info.cached_tokens_details[key]` (`patches/tail_replay_meta.py`).
+  `meta_info.cached_tokens_details[key]` (`patches/tail_replay/meta.py`).
 - request backends: radix-cache backends whose requests carry Tail-Replay request fields (validated
-  on arrival by `patches/tail_replay_request.py`). LinearKV serves its exact prefix with Tail-Replay.
+  on arrival by `patches/tail_replay/request.py`). LinearKV serves its exact prefix with Tail-Replay.
 
 May mutate: the module's registries (registration only; idempotent per function or name).
 """

@@ -43,7 +43,7 @@ CPU_DEFAULTS: dict[str, str | None] = {
 CPU_ATTENTION_BACKENDS = ("torch_native", "intel_amx")
 
 #: HiCache (the host tier, `--enable-hierarchical-cache` / `--enable-hicache`) on CPU: the `direct`
-#: io backend, whose copies patches/cpu_hicache.py provides in torch (the `kernel` one is
+#: io backend, whose copies patches/cpu/hicache.py provides in torch (the `kernel` one is
 #: CUDA kernels, `kernel_ascend` NPU ones), and a host layout those copies serve. `page_first_direct`
 #: is the default because SGLang's Mamba host pool (hybrid models) takes only page-first layouts;
 #: `page_first` SGLang itself rewrites to `page_first_direct` under `direct`; `layer_first` serves

@@ -6,7 +6,7 @@ adapter, the fields SGLang's prefix cache keys a prompt by) would continue the s
 read another tenant's conversation, and, if aborted, give it back to the tree under the second
 tenant's key. So a session is bound to the namespace of its first turn (SGLang's
 `/open_session` carries none), and a later turn from another namespace is refused, naming the
-field, before SGLang's session code sees it (`sglang_ext.patches.session_tenancy`).
+field, before SGLang's session code sees it (`sglang_ext.patches.shared.session_tenancy`).
 """
 
 from __future__ import annotations

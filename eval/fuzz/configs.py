@@ -22,7 +22,7 @@ LINEARKV_CONFIG = {"min_chunk_tokens": 8}
 #: dies), the tree's invariants are checked when idle
 STRICT_CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1"}
 #: `--enable-deterministic-inference` on every server, the reference included: batch-invariant
-#: products (`patches/cpu_deterministic.py`) and SGLang's seeded sampler (the `sampled` path)
+#: products (`patches/cpu/deterministic.py`) and SGLang's seeded sampler (the `sampled` path)
 COMMON = ["--dtype", "float32", "--enable-metrics", "--chunked-prefill-size", "64",
           "--context-length", str(CONTEXT), "--mem-fraction-static", "0.3", "--enable-deterministic-inference"]
 #: the pressure configuration's thresholds: pressed whenever another request waits in the queue

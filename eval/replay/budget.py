@@ -25,7 +25,7 @@ Slots per running request (`_calculate_mamba_ratio`, `allocation_sizing.get_mamb
 track slots of `extra_buffer` (2 with the overlap scheduler, as on a GPU) or of
 `extra_buffer_lazy` (1); `auto` resolves to `extra_buffer` on a GPU with the overlap scheduler for
 Qwen3-Next. A Tail-Replay server that keeps no checkpoints (`keep_checkpoints: false`) holds only
-its own slots: 1 plus the track slots, the lazy variant sized for both (`patches/tail_replay_sizing.py`).
+its own slots: 1 plus the track slots, the lazy variant sized for both (`patches/tail_replay/sizing.py`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """SGLang adapter of SAECache (``--radix-eviction-policy sae``): the strategy object SGLang's
 tree core holds, the one accessor for the per-request record, and the translation of
 SGLang tree nodes into ``serving.PathNode``. The seams that call it are
-``patches/sae_policy.py`` (factory, CLI choice, start-up check), ``sae_tree_core.py``
-(the Python tree core), ``sae_cache_events.py`` (match / insert), ``sae_full_eviction.py``
-(the full-KV eviction walk), ``sae_request.py`` and ``sae_chat.py`` (request fields).
+``patches/sae/policy.py`` (factory, CLI choice, start-up check), ``sae/tree_core.py``
+(the Python tree core), ``sae/cache_events.py`` (match / insert), ``sae/full_eviction.py``
+(the full-KV eviction walk), ``sae/request.py`` and ``sae/chat.py`` (request fields).
 
 SAE orders the full-KV leaves (``victim()``) and, where the config's ``state_order`` is
 ``"sae"`` (the default under ``tail_replay``; ``"lru"``, SGLang's walk, is the default on the
 default backend), through the rule beside it (``ServerSAE.state_order``: lowest keep value of
 the node's entry first), the recurrent-state checkpoints (``state_eviction_order``, called from
-``patches/sae_state_eviction.py`` in both backends; under ``tail_replay`` the state alone goes,
+``patches/sae/state_eviction.py`` in both backends; under ``tail_replay`` the state alone goes,
 on the default backend a state on a leaf takes the leaf, which SAE then sees as an external
 eviction, queue ``state``): docs/saecache.md.
 """
@@ -32,7 +32,7 @@ _REQ_ATTR = "_sglang_ext_sae"
 
 class SAEStrategy(EvictionStrategy):
     """What ``get_eviction_strategy("sae", config)`` builds. ``server`` drives the full-KV
-    leaf eviction (see patches/sae_full_eviction.py); ``get_priority`` (last access) orders
+    leaf eviction (see patches/sae/full_eviction.py); ``get_priority`` (last access) orders
     only walks SAE does not drive (host-tier eviction)."""
 
     def __init__(self, **config) -> None:
@@ -50,7 +50,7 @@ def strategy_of(tree_core) -> SAEStrategy | None:
 def request_record(req) -> SAERequest:
     """The request's SAE record (typed spans, session, tenant), parsed once from
     ``sampling_params.custom_params``, SGLang's session id and the request's tree namespace
-    (``extra_key``, ``cache_salt``) (validated at arrival by patches/sae_request.py, so parsing
+    (``extra_key``, ``cache_salt``) (validated at arrival by patches/sae/request.py, so parsing
     here cannot fail on a served request)."""
     record = req.__dict__.get(_REQ_ATTR)
     if record is None:

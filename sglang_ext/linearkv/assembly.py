@@ -25,7 +25,7 @@ class ChunkAssembly:
     counts), its state slots and deferred copy-on-write, the KV and state pools, node locks."""
 
     #: the state slots of the admission round under way (`admission.RoundBudget`), opened by
-    #: `patches/linearkv_admission.py` as SGLang's PrefillAdder starts a round
+    #: `patches/linearkv/admission.py` as SGLang's PrefillAdder starts a round
     admission: RoundBudget | None = None
 
     def open_admission_round(self, adder: Any) -> RoundBudget:

@@ -17,7 +17,7 @@ batch does it for `predecessor` / `zero`; `compose` is written here) and the sch
 as usual.
 
 Runs in the worker, on the forward stream, before the scheduled extend
-(`patches/linearkv_prepass.py` wraps `TpModelWorker.forward_batch_generation`); every slot it reads
+(`patches/linearkv/prepass.py` wraps `TpModelWorker.forward_batch_generation`); every slot it reads
 was resolved at admission. The source nodes stay locked until the request's first forward has run
 (the pre-pass and the question's deferred copy-on-write read them): after it is launched, each such
 request gets a marker (its record's `reads_done`: a device event on CUDA, True on the synchronous CPU

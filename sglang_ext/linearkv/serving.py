@@ -1,6 +1,6 @@
 """LinearKV in the server: the scheduler's per-request record and its meta_info summary (pure
 core: no SGLang import; the configuration is `config`, the request's chunk plan `plan`, the adapter
-`sglang_cache`, the request seam `patches/linearkv_request.py`). This module also serves the
+`sglang_cache`, the request seam `patches/linearkv/request.py`). This module also serves the
 names of `config` and `plan` (one import for the adapter, the patches and the tools).
 
 A request's prompt is `P | C_1 .. C_K | Q`: P (the exact prefix, e.g. the system prompt) is served
@@ -188,7 +188,7 @@ def capture_of(req: Any) -> tuple[Any, int, int] | None:
 
 def needs_worker(req: Any) -> bool:
     """Whether the worker acts on this request before or after its forward: a pending EPIC
-    pre-pass, or chunk locks its first forward's reads release (`patches/linearkv_prepass.py`)."""
+    pre-pass, or chunk locks its first forward's reads release (`patches/linearkv/prepass.py`)."""
     record = record_of(req)
     return record is not None and (bool(record.locks) or record.prepass is not None)
 

@@ -1,7 +1,7 @@
 """SGLang adapter: `--radix-cache-backend linearkv` (a Tail-Replay cache that also assembles
 position-independent chunks; the pure core is `sglang_ext/linearkv/serving.py`).
 
-A request's way through it (seams in `patches/linearkv_request.py` and this class; the admission
+A request's way through it (seams in `patches/linearkv/request.py` and this class; the admission
 is `assembly.ChunkAssembly`, the state rules per request kind `mamba_component`, the start-up
 `factory`):
 1. Arrival (tokenizer process): the chunks are found (token spans, or a separator string), and

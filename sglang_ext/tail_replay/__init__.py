@@ -13,9 +13,9 @@ the live quality audit's sampling decision, divergence and store of served distr
 `insert_provenance` (pure: the one place that decides the bounds of what enters the tree; fail
 closed), `own_tail` (kv_mode "recompute"), `pressure` (pure: `exactness: "exact_unless_pressed"`'s
 thresholds and the arrival stamp, written on the replica's first rank by
-`patches/tail_replay_pressure.py` before SGLang broadcasts the request to the other ranks),
+`patches/tail_replay/pressure.py` before SGLang broadcasts the request to the other ranks),
 `label_transfer` (pure: PD disaggregation, the prefill server's answer label in a row of the
-transferred metadata, read back by the decode server; `patches/tail_replay_disagg.py`).
+transferred metadata, read back by the decode server; `patches/tail_replay/disagg.py`).
 The SGLang adapter (`--radix-cache-backend
 tail_replay`), one concern per module: `cache` (the match and its plan, the factory), `component`
 (the Mamba component), `tree_provenance` (a node's provenance on insert / split / overlap, the
@@ -29,7 +29,7 @@ A request's route (SGLang 0.5.23), seam by seam:
 1. config. Start-up: `sglang_ext.launcher` / `sglang_ext.plugin` validate the config
    (`server_config`) against the flags (`startup.check_start`); every scheduler checks it again
    in `cache.tail_replay_cache_factory` (the KV dtype SGLang resolved). Arrival, tokenizer
-   process: `patches/tail_replay_request.py` (`SamplingParams.verify`) checks the request's
+   process: `patches/tail_replay/request.py` (`SamplingParams.verify`) checks the request's
    `custom_params["tail_replay"]` with `check_request` against the server's refusals
    (`request_limits`): a bad one is that request's HTTP 400; the server's own background runs
    get their mark (`BACKGROUND_PARAM_KEY`) after that check, out of band.
@@ -40,18 +40,18 @@ A request's route (SGLang 0.5.23), seam by seam:
    approximate checkpoint, approximate, miss), sets the request's carry and read floor, stores the plan and, for
    `kv_mode` "exact", the tree's KV slots of the replayed tail in the record, and sets SGLang's
    prefix length; `TailReplayMambaComponent` lets the match run as deep as the attention KV.
-   (`patches/tail_replay_sizing.py` and `patches/tail_replay_pages.py` size the state pool and
+   (`patches/tail_replay/sizing.py` and `patches/tail_replay/pages.py` size the state pool and
    allow pages > 1 for this backend at start-up.)
-3. request record -> forward. `patches/tail_replay_batch.py` (`ForwardBatch.init_new`) reads
+3. request record -> forward. `patches/tail_replay/batch.py` (`ForwardBatch.init_new`) reads
    each record (`record_of`): the plan goes into the counters at the first forward
    (`record_first_forward`), and the tail's rows in the packed batch with their tree slots are
-   registered for the batch; `patches/tail_replay_attention.py` (`RadixAttention`) substitutes
-   the cached K/V into those rows, and `patches/tail_replay_prefill_graph.py` sends such batches
+   registered for the batch; `patches/tail_replay/attention.py` (`RadixAttention`) substitutes
+   the cached K/V into those rows, and `patches/tail_replay/prefill_graph.py` sends such batches
    around a "full" prefill CUDA graph. The rows of approximate replays' tails are registered too:
-   `patches/tail_replay_gdn_bound.py` (`RadixLinearAttention.forward`) and
-   `patches/tail_replay_mamba2_bound.py` (the Mamba-2 mixer's SSD scan call) add each request's
+   `patches/tail_replay/gdn_bound.py` (`RadixLinearAttention.forward`) and
+   `patches/tail_replay/mamba2_bound.py` (the Mamba-2 mixer's SSD scan call) add each request's
    per-layer tail log-decay into its record (`state_bound`, record `tail_decay`).
-4. output / metrics. `patches/tail_replay_meta.py` (`get_cached_tokens_details`) puts
+4. output / metrics. `patches/tail_replay/meta.py` (`get_cached_tokens_details`) puts
    `replay_summary(record)` (the plan; for approximate hits the state bound, which also goes into
    its histogram once) into `meta_info.cached_tokens_details.tail_replay`; `/metrics` serves the
    counters of step 3 and the histogram.
@@ -69,20 +69,20 @@ A request's route (SGLang 0.5.23), seam by seam:
    plan's prefix and reads the tail's KV slots after the load. States go to the host only with
    checkpoints, and a host state is copied only into a plan that starts from it
    (`state_load_node`); `recover_after_unevict` keeps a host node's bounds when an insert gives it
-   fresh device KV. `patches/tail_replay_host_pools.py` gives the host budget to KV
+   fresh device KV. `patches/tail_replay/host_pools.py` gives the host budget to KV
    without checkpoints. Storage (`--hicache-storage-backend`, L3): attention KV only, and only of
    strictly exact paths (`write_backup_storage`); SGLang's prefetch probe (a match without a state
    copy) sees the tree's own match, not a plan (`_is_storage_probe`), and prefetched pages are host
    nodes the planner plans over.
-6. audit (off unless `audit_rate` > 0 or a request's `audit: true`). `patches/tail_replay_audit.py`:
+6. audit (off unless `audit_rate` > 0 or a request's `audit: true`). `patches/tail_replay/audit.py`:
    in the scheduler (`capture_pre_sample_logits`, the forward's raw logits) the first output of an
    audited request (`audit_trigger`) is kept (`PendingAudits`, record `audit`, meta_info `audit`);
    in the tokenizer process (`_handle_batch_output`) its finish sends the same prompt as an exact
    reference run (`reference_overrides`: `audit_of`), whose first output is compared with it
    (`divergence`), recorded (`record_audit`) and logged.
-7. repair (off unless `repair: true`; `repair.py`). `patches/tail_replay_meta.py` adds a
+7. repair (off unless `repair: true`; `repair.py`). `patches/tail_replay/meta.py` adds a
    finished not-exact answer's sequence (`repair_due`, `repair_sequence`) under `REPAIR_KEY`;
-   `patches/tail_replay_audit.py` removes it in the tokenizer process and sends it as an
+   `patches/tail_replay/audit.py` removes it in the tokenizer process and sends it as an
    exact background run (`repair_overrides`: `repair_of`), whose exact KV and end state replace the
    approximate ones in the tree. Shared-state repair (on unless `repair_shared: false`): at the
    match (`TailReplayRadixCache._note_shared_repair`) a request whose approximate plan creates a

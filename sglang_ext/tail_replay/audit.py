@@ -7,7 +7,7 @@ first output (the model's raw logits at the last prompt position, before any sam
 with a reference: the same prompt re-run with `exactness: "exact"` (only strictly exact KV and
 states reused, so the same distribution as a full prefill), one greedy token, sent by the
 tokenizer process through SGLang's own request path at the least-favoured priority
-(`patches/tail_replay_audit.py`), marked as the server's own run out of band (`audit_of` is no
+(`patches/tail_replay/audit.py`), marked as the server's own run out of band (`audit_of` is no
 request field: `config.BACKGROUND_PARAM_KEY`). Recorded per audit: KL(reference || served) over the whole
 vocabulary, the total variation distance, and whether both put the same token first.
 

@@ -105,7 +105,7 @@ class SharedRepairRules:
     def _note_shared_repair(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> None:
         """Shared-state repair (tail_replay/repair.py); asks at most once per request (an ask made
         at an earlier match of the same request, one that waited for room, stands until it is
-        sent with the request's first output, `patches/tail_replay_meta.py`). Two rules:
+        sent with the request's first output, `patches/tail_replay/meta.py`). Two rules:
 
         - at the branch (`branch_repair_due`): under the extra buffer (stock SGLang keeps a state
           where a request branches off the tree), a request whose plan is approximate and whose

@@ -17,8 +17,8 @@ What changes against SGLang 0.5.23's `UnifiedRadixCache` + `MambaComponent`:
 - caching: with keep_checkpoints=False no state is inserted; the attention KV always is.
 The per-request decision goes into the request's record (`tail_replay.request`): its config
 (resolved once, at the first match), the plan (a ReplayPlan) and, for exact-KV replay, `kv_slots`:
-the tree's KV slots of the replayed tail, read by `patches/tail_replay_batch.py` /
-`tail_replay_attention.py`.
+the tree's KV slots of the replayed tail, read by `patches/tail_replay/batch.py` /
+`tail_replay/attention.py`.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ __all__ = ["BACKEND_NAME", "TailReplayRadixCache", "TailReplayMambaComponent", "
 
 def request_config(base: TailReplayConfig, req: Any) -> TailReplayConfig:
     """The server's config with the request's `custom_params["tail_replay"]` overrides
-    (validated when the request arrived, see patches/tail_replay_request.py). Resolved once per
+    (validated when the request arrived, see patches/tail_replay/request.py). Resolved once per
     request: `record_for` keeps the result on the request's record."""
     custom_params = getattr(req.sampling_params, "custom_params", None)   # with its arrival's pressure stamp
     return pressure_config(request_overrides(base, custom_params), custom_params)

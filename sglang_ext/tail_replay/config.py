@@ -15,7 +15,7 @@ Server bookkeeping never comes from a client. The fields that mark the server's 
 runs (`audit_of`, `repair_of`, `repair_kind`: an audit's reference run, a repair run) are no config
 keys at all: the tokenizer process sets them out of band, under `BACKGROUND_PARAM_KEY` in the
 run's `custom_params`, after the request's fields were validated
-(`patches/tail_replay_request.py`); a client sending that key, or one of those fields, gets a 400
+(`patches/tail_replay/request.py`); a client sending that key, or one of those fields, gets a 400
 naming it. A request's own `audit` / `repair` (and `repair_shared: true`) are refused unless the
 server's config sets `allow_request_audit_repair` (each buys an extra exact prefill).
 
@@ -218,7 +218,7 @@ _OFF_BY_REQUEST = ("repair_shared",)
 BACKGROUND_FIELDS = ("audit_of", "repair_of", "repair_kind")
 #: `custom_params` key of the server's mark on its own background runs (`BACKGROUND_FIELDS` and the
 #: config values the run needs); refused from a client, set in the tokenizer process after the
-#: request's fields were validated (patches/tail_replay_request.py)
+#: request's fields were validated (patches/tail_replay/request.py)
 BACKGROUND_PARAM_KEY = "tail_replay_background"
 #: the config knob that allows `_ALLOWED_BY_SERVER` (and `_OFF_BY_REQUEST` set to true)
 ALLOW_KNOB = "allow_request_audit_repair"

@@ -5,7 +5,7 @@ Under prefill-decode disaggregation the prefill server computes the prompt (its 
 and the decode server, which answers, has no record of it. So the prefill server encodes the label
 `metrics.answer_label` gives its request (the first output's: the state the decode side continues
 from, and what it read) into a row of 64-bit words (`encode_label`), which travels with the
-first token's metadata (`patches/tail_replay_disagg.py`: one more buffer of SGLang's
+first token's metadata (`patches/tail_replay/disagg.py`: one more buffer of SGLang's
 `MetadataBuffers`, which every transfer engine copies byte for byte), and the decode server reads
 it back (`decode_label`) and keeps it in its record (`TailReplayRequest.carried_label`): the tokens
 it generates carry the bound of the state they continue from (bounds do not grow), so the decode

@@ -4,7 +4,7 @@ Meaning of the mode. On a Tail-Replay hit with a replayed tail [P, L) (P = prefi
 tokens), the tail's attention KV is recomputed by the request's own prefill, and the request attends
 to that recomputed KV for the tail in prefill *and* decode. The tree keeps its exact KV for [0, L)
 and is never given the recomputed slots. (`kv_mode: "exact"` instead substitutes the tree's K/V into
-the tail rows, `patches/tail_replay_attention.py`.)
+the tail rows, `patches/tail_replay/attention.py`.)
 
 Why it needs code: after each prefill chunk (and at finish) SGLang publishes the request into the
 tree (`UnifiedRadixCache.checkpoint_into_tree`): the insert frees the request's slots for every

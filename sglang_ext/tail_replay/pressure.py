@@ -22,7 +22,7 @@ its threshold (so 0 means always pressed). `pressed_by` names the thresholds met
 The decision is taken once per request, when the scheduler of the replica's first rank receives it
 from the tokenizer, and written into the request out of band (`PRESSURE_PARAM_KEY` in its
 `custom_params`) before SGLang broadcasts the received requests to the other ranks
-(`patches/tail_replay_pressure.py`): every rank plans from the same stamp, never from its own
+(`patches/tail_replay/pressure.py`): every rank plans from the same stamp, never from its own
 clock or queue. A client sending that key gets a 400 (`request_fields.check_request`). The decision is as
 old as the request's arrival: a request that waits in the queue keeps it.
 """

@@ -52,10 +52,10 @@ is never repaired or audited itself, and a server keeps at most `MAX_REPAIRS_IN_
 (a repair due beyond that is skipped and logged: the conversation stays approximate until a later
 turn is repaired).
 
-Pure: no SGLang import. The scheduler side lives in `patches/tail_replay_meta.py` (the
+Pure: no SGLang import. The scheduler side lives in `patches/tail_replay/meta.py` (the
 sequence travels to the tokenizer process under `REPAIR_KEY` in `cached_tokens_details`, which the
 tokenizer process removes before the client sees it), the sending in
-`patches/tail_replay_audit.py`.
+`patches/tail_replay/audit.py`.
 """
 
 from __future__ import annotations

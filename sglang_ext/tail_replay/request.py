@@ -9,10 +9,10 @@ Life of a record (scheduler process):
   resolved once (server config + `custom_params["tail_replay"]`, and on the server's own background
   runs its out-of-band mark: `request_fields.request_overrides`); a re-match (after retraction)
   keeps the record and its config, and replaces the plan and the tail's slots;
-- read by the forward (`patches/tail_replay_batch.py`: tail rows and slots, metrics at the first
+- read by the forward (`patches/tail_replay/batch.py`: tail rows and slots, metrics at the first
   forward; the gate hooks add the tail's log-decay to `tail_decay`; the audit seam,
-  `patches/tail_replay_audit.py`, at the first output's logits), the output
-  (`patches/tail_replay_meta.py`) and the cache (`tail_replay.cache`, `tail_replay.own_tail`).
+  `patches/tail_replay/audit.py`, at the first output's logits), the output
+  (`patches/tail_replay/meta.py`) and the cache (`tail_replay.cache`, `tail_replay.own_tail`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class TailReplayRequest:
     #: kv_mode "recompute": (first position, KV slots) the request holds as its own tail
     own_kv: tuple[int, torch.Tensor] | None = None
     #: approximate plans: the replayed tail's summed log-decay per linear layer, added by the
-    #: forward (`patches/tail_replay_gdn_bound.py`, `tail_replay_mamba2_bound.py`) chunk by chunk;
+    #: forward (`patches/tail_replay/gdn_bound.py`, `tail_replay/mamba2_bound.py`) chunk by chunk;
     #: replaced with the plan at every match
     tail_decay: TailDecay = field(default_factory=TailDecay)
     #: the state bound computed from `tail_decay` at the first output (`metrics.replay_summary`)
@@ -93,7 +93,7 @@ class TailReplayRequest:
     #: the bound of the last prompt position (computed at the first output, `metrics.replay_summary`)
     output_bound: float | None = None
     #: live quality audit (tail_replay/audit.py): whether the decision was made (once, at the forward
-    #: that gives the first output, `patches/tail_replay_audit.py`), and why the request is audited
+    #: that gives the first output, `patches/tail_replay/audit.py`), and why the request is audited
     #: ("forced" / "sampled"; None: not audited), set once its served distribution is kept
     audit_decided: bool = False
     audit: str | None = None

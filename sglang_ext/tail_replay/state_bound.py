@@ -9,7 +9,7 @@ S(L - W). The recurrences are affine in the state, so per linear layer and head
 - Mamba-2: log-decay A dt_t, dt_t = softplus(dt_raw_t + dt_bias) clamped to dt_limit (an equality).
 
 During the replay the forward sees each linear layer's gate inputs for the packed extend batch
-(`patches/tail_replay_gdn_bound.py`, `patches/tail_replay_mamba2_bound.py`). `BoundSegments` says
+(`patches/tail_replay/gdn_bound.py`, `patches/tail_replay/mamba2_bound.py`). `BoundSegments` says
 which rows of that batch belong to which request's replayed tail; per layer, one gather and one
 segment sum add the rows' log-decay into each request's `TailDecay` (no host sync). A tail split over
 prefill chunks is summed over the chunks. At the output, `summarize` turns the sums into the factor

@@ -201,7 +201,7 @@ class StateEvictionOrder:
         """The next unlocked device state to free in this walk, or None: SGLang's order, least
         recently used first (with the session radix cache, its partitioned cursor). The one
         place a policy may reorder states (`--radix-eviction-policy sae` does, see
-        patches/sae_state_eviction.py). May mutate: the walk cursor."""
+        patches/sae/state_eviction.py). May mutate: the walk cursor."""
         lru = self.tree_core.lru_lists[self.component_type]
         by_session = self.tree_core.enable_session_radix_cache
         order = resolved_order(self.config)

@@ -11,7 +11,7 @@ MATCH = "Scheduler.get_new_batch_prefill (scheduler.py:2);UnifiedRadixCache.matc
 TREE = "UnifiedTreeCore.match_prefix (unified_cache/unified_tree_core.py:4)"
 PLAN = "TailReplayRadixCache._apply_replay_plan (sglang_ext/tail_replay/cache.py:5)"
 WRAPPED_FORWARD = ("ModelRunner.forward (model_runner.py:6);"
-                   "_wrap_forward.<locals>.forward (patches/tail_replay_gdn_bound.py:7);GDN.forward (gdn.py:8)")
+                   "_wrap_forward.<locals>.forward (patches/tail_replay/gdn_bound.py:7);GDN.forward (gdn.py:8)")
 
 
 def test_tail_replay_code_the_tree_core_and_the_steps_before_the_first_token(tmp_path: Path):

@@ -9,7 +9,7 @@ import torch
 
 from eval.harness import ServerProcess
 from sglang_ext.env import CPU_START_METHOD_VAR
-from sglang_ext.patches.cpu_start_method import FORK_LOG
+from sglang_ext.patches.cpu.start_method import FORK_LOG
 
 #: a server's environment for SGLang's own start method (spawned children re-apply the patches);
 #: the suite forks them otherwise (tests/conftest.py)
@@ -20,7 +20,7 @@ LOGPROB_ATOL = 1e-4
 
 
 def children_forked(server) -> bool:
-    """Whether SGLang's start-method call went through `sglang_ext.patches.cpu_start_method`
+    """Whether SGLang's start-method call went through `sglang_ext.patches.cpu.start_method`
     (fork) in this server, by its log line."""
     return FORK_LOG in server.log_text()
 

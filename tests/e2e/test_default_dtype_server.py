@@ -4,7 +4,7 @@ Without `--dtype` the tiny fixtures (float32 checkpoints) run in float16 (SGLang
 stock SGLang keeps conv-window states in a fixed bfloat16: the strategy's tracking copy in prefill
 (an index put into the conv pool) then killed the server on its first request ("Index put requires
 the source and destination dtypes match"), for GDN (Qwen3-Next) and Mamba-2 (Nemotron-H) alike.
-`patches/mamba_conv_dtype.py` stores the conv states in the model's dtype. Here two requests share
+`patches/shared/mamba_conv_dtype.py` stores the conv states in the model's dtype. Here two requests share
 a prefix; the second reuses the state the first tracked at the last track-interval boundary.
 """
 

@@ -1,7 +1,7 @@
 """Stock SGLang's hierarchical cache (the host tier) in the real CPU server: a tiny Qwen3-Next
 under `--mamba-radix-cache-strategy extra_buffer --enable-hierarchical-cache` (the launcher adds
 `--hicache-io-backend direct --hicache-mem-layout page_first_direct`; the host pools and their
-copies come from patches/cpu_hicache.py), no `--radix-cache-backend`.
+copies come from patches/cpu/hicache.py), no `--radix-cache-backend`.
 
 A prompt is sent three times: uncached, then a device hit, then, after other prompts have pushed
 it out of the small device pool (`--max-total-tokens 1024`; HiCache writes through, so the host

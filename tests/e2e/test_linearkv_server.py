@@ -17,7 +17,7 @@ The GDN server runs SGLang's GPU configuration: the overlap scheduler on and
 `--mamba-radix-cache-strategy extra_buffer` (a chunk registration keeps its end state at the
 chunk's end, not on the tracking grid); the Mamba-2 server runs `no_buffer`, publishes KV events
 and uses SGLang's typed msgpack IPC (`SGLANG_USE_PICKLE_IPC=0`: the request fields and meta_info
-summaries cross it encoded, `patches/ipc_json.py`), the GDN server pickle IPC (the default).
+summaries cross it encoded, `patches/shared/ipc_json.py`), the GDN server pickle IPC (the default).
 Both truncate over-long prompts (`--allow-auto-truncate`, context 1024).
 """
 

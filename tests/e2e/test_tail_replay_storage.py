@@ -275,7 +275,7 @@ def test_stored_prefixes_are_kept_apart_per_tenant(servers, store):
 
 def test_a_streaming_session_continues_on_a_server_with_storage(servers):
     """A session's second turn matches its slot's stand-in node; the storage prefetch used to ask
-    the tree about it and kill the scheduler (`patches/session_storage_prefetch.py`). Both turns
+    the tree about it and kill the scheduler (`patches/shared/session_storage_prefetch.py`). Both turns
     answer, the second continues the first's context, and the server stays up."""
     writer, _ = servers
     sid = "storage-session"

@@ -43,7 +43,7 @@ PROBE = textwrap.dedent("""
     assert applied_patches() == cpu_only
     plugin.before_resolve(SimpleNamespace(radix_cache_backend=None, radix_eviction_policy="sae",
                                           radix_eviction_policy_config={"cost_power": 1}))
-    assert {"sae_policy", "sae_full_eviction", "sae_cache_events"} <= set(applied_patches())
+    assert {"sae.policy", "sae.full_eviction", "sae.cache_events"} <= set(applied_patches())
     assert os.environ["SGLANG_EXT_PATCH_MODE"] == "gpu"
     print("sae-plugin-probe-ok")
 """)

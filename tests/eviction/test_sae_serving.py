@@ -83,7 +83,7 @@ def test_chat_spans_follow_the_fixture_template(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     from eval.fixtures.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
-    from sglang_ext.patches.sae_chat import request_spans
+    from sglang_ext.patches.sae.chat import request_spans
 
     tok = PreTrainedTokenizerFast(tokenizer_object=train_tokenizer(), additional_special_tokens=SPECIAL_TOKENS)
     tok.chat_template = CHAT_TEMPLATE

@@ -2,7 +2,7 @@
 admits, LinearKV loads (their state and ping-pong slots, and the chunk states their read locks keep
 out of the pool) included, so SGLang's `alloc_req_slots` after the round always finds the slots it
 asserts on. Runs the adapter's own budget code (`assembly.ChunkAssembly`) and the admission seam
-(`patches/linearkv_admission.py`) around a stand-in PrefillAdder over a stand-in state pool."""
+(`patches/linearkv/admission.py`) around a stand-in PrefillAdder over a stand-in state pool."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sglang.srt.managers.schedule_policy import AddReqResult
 
 from sglang_ext.linearkv.admission import RoundBudget, round_slots
 from sglang_ext.linearkv.assembly import ChunkAssembly
-from sglang_ext.patches.linearkv_admission import _wrap_add_one_req, _wrap_init
+from sglang_ext.patches.linearkv.admission import _wrap_add_one_req, _wrap_init
 
 TRACKING = 2   # extra_buffer: two ping-pong slots per request
 

@@ -1,4 +1,4 @@
-"""LinearKV's request seam on arrival (`patches/linearkv_request.py: prepare`), on SGLang's own
+"""LinearKV's request seam on arrival (`patches/linearkv/request.py: prepare`), on SGLang's own
 request object: the chunk namespace and the server-internal fields are refused for single and
 batched requests alike."""
 
@@ -12,7 +12,7 @@ from sglang_ext.linearkv import LinearKVConfig, namespace
 def _prepare(**fields):
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    from sglang_ext.patches.linearkv_request import prepare
+    from sglang_ext.patches.linearkv.request import prepare
 
     obj = GenerateReqInput(**fields)
     return prepare(object(), obj, (LinearKVConfig(), namespace("m")))
@@ -70,7 +70,7 @@ SPANS = {"chunks": [[2, 20], [20, 40]]}
 def _prepare_on(config, **fields):
     from sglang.srt.managers.io_struct import GenerateReqInput
 
-    from sglang_ext.patches.linearkv_request import prepare
+    from sglang_ext.patches.linearkv.request import prepare
 
     obj = GenerateReqInput(**fields)
     return prepare(_Manager(), obj, (config, namespace("m"))), obj

@@ -1,5 +1,5 @@
-"""`--enable-deterministic-inference` on CPU (`patches/cpu_deterministic.py`) and the seeded
-sampler's hash (`patches/cpu_ops/sampling.py`, the torch twin of SGLang's Triton
+"""`--enable-deterministic-inference` on CPU (`patches/cpu/deterministic.py`) and the seeded
+sampler's hash (`patches/cpu/ops/sampling.py`, the torch twin of SGLang's Triton
 `murmur_hash32_kernel`)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ patches.apply_patches("cpu")  # before any SGLang import (stand-in sgl_kernel)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sglang_ext.patches.cpu_deterministic import cpu_batch_invariant_addmm, cpu_batch_invariant_mm  # noqa: E402
-from sglang_ext.patches.cpu_ops.sampling import murmur_hash32_cpu  # noqa: E402
+from sglang_ext.patches.cpu.deterministic import cpu_batch_invariant_addmm, cpu_batch_invariant_mm  # noqa: E402
+from sglang_ext.patches.cpu.ops.sampling import murmur_hash32_cpu  # noqa: E402
 
 
 def _murmur3_x86_32(data: bytes) -> int:
@@ -61,7 +61,7 @@ def test_the_hash_equals_sglangs_triton_kernel_interpreted():
     script = textwrap.dedent("""
         import torch, triton
         from sglang.kernels.ops.sampling.murmur_hash import murmur_hash32_kernel
-        from sglang_ext.patches.cpu_ops.sampling import murmur_hash32_cpu
+        from sglang_ext.patches.cpu.ops.sampling import murmur_hash32_cpu
         seed = torch.tensor([0, 3, 2**40 + 7, 2**62 + 5, 99], dtype=torch.int64).to(torch.uint64)
         pos = torch.tensor([0, 7, 2047, 1 << 20, 64])
         cols = torch.arange(1037)
@@ -102,7 +102,7 @@ def test_the_mode_makes_linear_layers_batch_invariant_and_admits_the_cpu_backend
         import torch
         import torch.nn.functional as F
         from sglang.srt.arg_groups import choices
-        from sglang_ext.patches.cpu_deterministic import enable_cpu_batch_invariant_mode
+        from sglang_ext.patches.cpu.deterministic import enable_cpu_batch_invariant_mode
         assert "torch_native" in choices.DETERMINISTIC_ATTENTION_BACKEND_CHOICES
         assert "torch_native" in choices.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND
         gen = torch.Generator().manual_seed(0)

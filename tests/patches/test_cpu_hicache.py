@@ -1,4 +1,4 @@
-"""HiCache's host tier on CPU (`patches/cpu_hicache.py`).
+"""HiCache's host tier on CPU (`patches/cpu/hicache.py`).
 
 The torch `direct` copies are checked against transcriptions of sgl-kernel's C++ loops
 (`csrc/kvcacheio/transfer.cu`: `transfer_kv_direct`, `transfer_kv_page_first_direct_impl`) on
@@ -20,8 +20,8 @@ patches.apply_patches("cpu")  # before any SGLang import (stand-in sgl_kernel)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from sglang_ext.patches import cpu_hicache  # noqa: E402
-from sglang_ext.patches.cpu_hicache import (  # noqa: E402
+from sglang_ext.patches.cpu import hicache as cpu_hicache  # noqa: E402
+from sglang_ext.patches.cpu.hicache import (  # noqa: E402
     GPU_HOST_RESERVE_BYTES,
     cpu_host_reserve_bytes,
     transfer_kv_all_layer_direct_lf_pf,

@@ -1,5 +1,5 @@
 """The CPU memory budget falls back to the pre-load free memory only when SGLang's profile refuses
-because other processes took memory meanwhile (patches/cpu_memory_budget.py)."""
+because other processes took memory meanwhile (patches/cpu/memory_budget.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from sglang_ext.patches.cpu_memory_budget import REFUSAL, _wrap
+from sglang_ext.patches.cpu.memory_budget import REFUSAL, _wrap
 
 FRACTION = 0.1
 

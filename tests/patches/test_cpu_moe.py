@@ -1,4 +1,4 @@
-"""CPU MoE fallback (`patches/cpu_ops/moe.py`) vs transformers' Nemotron-H experts."""
+"""CPU MoE fallback (`patches/cpu/ops/moe.py`) vs transformers' Nemotron-H experts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from transformers import NemotronHConfig
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
-from sglang_ext.patches.cpu_ops.moe import moe_forward_cpu
+from sglang_ext.patches.cpu.ops.moe import moe_forward_cpu
 
 E, HIDDEN, INTER, TOPK, T = 6, 16, 8, 2, 11
 

@@ -16,7 +16,7 @@ from sglang.kernels.ops.attention.fla.fused_norm_gate import FusedRMSNormGated  
 from sglang.kernels.ops.attention.fla.layernorm_gated import RMSNorm as GatedRMSNorm  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated  # noqa: E402
 
-from sglang_ext.patches.cpu_elementwise import fused_gate_sigmoid_mul, fused_gate_sigmoid_mul_add  # noqa: E402
+from sglang_ext.patches.cpu.elementwise import fused_gate_sigmoid_mul, fused_gate_sigmoid_mul_add  # noqa: E402
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 130])

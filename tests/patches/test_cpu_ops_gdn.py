@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
-from sglang_ext.patches.cpu_ops.conv1d import causal_conv1d_fwd_cpu, causal_conv1d_update_cpu
-from sglang_ext.patches.cpu_ops.gdn import (
+from sglang_ext.patches.cpu.ops.conv1d import causal_conv1d_fwd_cpu, causal_conv1d_update_cpu
+from sglang_ext.patches.cpu.ops.gdn import (
     CHUNK,
     chunk_gated_delta_rule_cpu,
     chunk_gated_delta_rule_with_h,

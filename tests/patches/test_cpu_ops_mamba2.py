@@ -15,7 +15,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import (
     mamba2_selective_state_update,
 )
 
-from sglang_ext.patches.cpu_ops.mamba2 import (
+from sglang_ext.patches.cpu.ops.mamba2 import (
     causal_conv1d_fn,
     causal_conv1d_update,
     mamba_chunk_scan_combined,

@@ -1,4 +1,4 @@
-"""Decode-time state tracking in torch (`patches/cpu_ops/mamba_track.py`) against the contract of
+"""Decode-time state tracking in torch (`patches/cpu/ops/mamba_track.py`) against the contract of
 SGLang's Triton kernels: for each batch row i < batch_size with the mask set, copy slot
 cache_indices[i] to slot mamba_track_indices[i] (conv and SSM state, every layer); with
 check_freed_slots, rows naming slot -1 are skipped. The reference is that loop, written out."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_ext.patches.cpu_ops.mamba_track import track_mamba_states_all_layers, track_mamba_states_if_needed
+from sglang_ext.patches.cpu.ops.mamba_track import track_mamba_states_all_layers, track_mamba_states_if_needed
 
 SLOTS, LAYERS = 10, 3
 

@@ -1,4 +1,4 @@
-"""`sglang_ext.patches.extend_attention` equals SGLang's own torch_native extend attention.
+"""`sglang_ext.patches.cpu.extend_attention` equals SGLang's own torch_native extend attention.
 
 Both functions get the same random inputs (a shuffled KV pool read through req_to_token,
 several sequences with different prefix and extend lengths) and must give the same output.
@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend  # noqa: E402
 
-from sglang_ext.patches import extend_attention  # noqa: E402
+from sglang_ext.patches.cpu import extend_attention  # noqa: E402
 
 extend_attention.apply()  # no-op if the CPU patch set already did it
 ORIGINAL = extend_attention.original_run_sdpa_forward_extend
@@ -76,7 +76,7 @@ def _compare(seqs=SEQS, q_heads=4, kv_heads=2, atol=2e-5, input_kw=None, **call_
 def test_method_is_replaced():
     assert ORIGINAL is not None and ORIGINAL is not PATCHED
     assert TorchNativeAttnBackend._run_sdpa_forward_extend is PATCHED
-    assert "extend_attention" in patches.CPU_PATCHES
+    assert "cpu.extend_attention" in patches.CPU_PATCHES
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -1,4 +1,4 @@
-"""The extension's nested values across SGLang's msgpack IPC (`patches/ipc_json.py`), checked with
+"""The extension's nested values across SGLang's msgpack IPC (`patches/shared/ipc_json.py`), checked with
 SGLang's own encoder and typed decoder."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 from sglang.srt.managers import io_struct  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
-from sglang_ext.patches import ipc_json  # noqa: E402
+from sglang_ext.patches.shared import ipc_json  # noqa: E402
 
 NESTED = {"linearkv": {"chunks": [[0, 48], [48, 96]], "state": "replay-16"},
           "token_types": [[0, 12, "system"]], "tail_replay": {"budget": 0.5}, "plain": [1, 2, 3], "n": 4}

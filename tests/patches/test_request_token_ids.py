@@ -1,4 +1,4 @@
-from sglang_ext.patches.request_token_ids import out_of_vocabulary
+from sglang_ext.patches.shared.request_token_ids import out_of_vocabulary
 
 
 def test_ids_inside_the_vocabulary_pass():

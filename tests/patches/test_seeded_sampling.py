@@ -1,4 +1,4 @@
-"""Seeded sampling does not depend on the batch (`patches/seeded_sampling.py`): a seeded request
+"""Seeded sampling does not depend on the batch (`patches/shared/seeded_sampling.py`): a seeded request
 draws the token it draws alone, whether or not another request of its batch filters (greedy is
 top-k 1), with SGLang's own functions on both sides."""
 
@@ -15,7 +15,7 @@ patches.apply_patches("cpu")  # before any SGLang import (stand-in sgl_kernel)
 import torch  # noqa: E402
 from sglang.srt.layers import sampler  # noqa: E402
 
-from sglang_ext.patches.seeded_sampling import seeded_filtered_sample  # noqa: E402
+from sglang_ext.patches.shared.seeded_sampling import seeded_filtered_sample  # noqa: E402
 
 VOCAB = 37   # awkward on purpose
 

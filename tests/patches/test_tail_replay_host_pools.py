@@ -1,5 +1,5 @@
 """Tail-Replay's host tier is KV-only: the `--hicache-size` split gives the state pool's share to KV
-(patches/tail_replay_host_pools.py), against SGLang's own split function."""
+(patches/tail_replay/host_pools.py), against SGLang's own split function."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ patches.apply_patches("cpu")
 import pytest  # noqa: E402
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler  # noqa: E402
 
-from sglang_ext.patches.tail_replay_host_pools import ONE_SLOT_GB, kv_only_split  # noqa: E402
+from sglang_ext.patches.tail_replay.host_pools import ONE_SLOT_GB, kv_only_split  # noqa: E402
 
 #: SGLang's split, unwrapped
 split = assembler._split_hicache_size.__wrapped__

@@ -1,6 +1,6 @@
 """Exact-KV Tail-Replay's two seams, without a server: which rows of a packed extend batch are a
-replayed tail and which tree slots they take (`patches/tail_replay_batch.py`), and the substitution
-of the cached K/V into those rows (`patches/tail_replay_attention.py`), in SGLang's plain path and
+replayed tail and which tree slots they take (`patches/tail_replay/batch.py`), and the substitution
+of the cached K/V into those rows (`patches/tail_replay/attention.py`), in SGLang's plain path and
 inside SGLang's own breakable prefill CUDA graph capture / replay (`BreakableCUDAGraphCapture`,
 driven on CPU with a stand-in for `torch.cuda.CUDAGraph` whose segments do nothing: the eager
 breaks between them are SGLang's code, and are what runs at replay).
@@ -33,9 +33,11 @@ from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import 
 from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch  # noqa: E402
 from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope  # noqa: E402
 
-from sglang_ext.patches import tail_replay_attention, tail_replay_batch, tail_replay_prefill_graph  # noqa: E402
-from sglang_ext.patches.tail_replay_attention import MARK, substitute_cached_kv  # noqa: E402
-from sglang_ext.patches.tail_replay_batch import _tail_rows_and_slots  # noqa: E402
+from sglang_ext.patches.tail_replay import attention as tail_replay_attention  # noqa: E402
+from sglang_ext.patches.tail_replay import batch as tail_replay_batch  # noqa: E402
+from sglang_ext.patches.tail_replay import prefill_graph as tail_replay_prefill_graph  # noqa: E402
+from sglang_ext.patches.tail_replay.attention import MARK, substitute_cached_kv  # noqa: E402
+from sglang_ext.patches.tail_replay.batch import _tail_rows_and_slots  # noqa: E402
 from sglang_ext.tail_replay import (  # noqa: E402
     RECORD_ATTR,
     HitKind,

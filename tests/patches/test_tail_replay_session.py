@@ -1,4 +1,4 @@
-"""`patches/tail_replay_session.py`: a finished streaming turn's own tail goes with its row to the
+"""`patches/tail_replay/session.py`: a finished streaming turn's own tail goes with its row to the
 session, also for a turn that was retracted before it finished (SGLang's `finish_req` then
 detaches `req.session` inside the call the patch wraps; found by the fuzzer's retraction path)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from sglang_ext.patches import tail_replay_session
+from sglang_ext.patches.tail_replay import session as tail_replay_session
 
 
 class _Session:

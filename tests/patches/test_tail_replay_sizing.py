@@ -1,4 +1,4 @@
-"""State slots per running request (`patches/tail_replay_sizing.py`) for every Mamba strategy.
+"""State slots per running request (`patches/tail_replay/sizing.py`) for every Mamba strategy.
 
 SGLang's `_calculate_mamba_ratio` reads the published server config; here its readers are
 replaced by plain namespaces, and SGLang's own `resolve_max_num_reqs` turns the ratio into the
@@ -25,7 +25,7 @@ from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.mem_cache import kv_cache_configurator as kvc  # noqa: E402
 
 from sglang_ext.env import TAIL_REPLAY_CONFIG_VAR  # noqa: E402
-from sglang_ext.patches.tail_replay_sizing import state_slots_per_request  # noqa: E402
+from sglang_ext.patches.tail_replay.sizing import state_slots_per_request  # noqa: E402
 
 #: strategy -> (--mamba-radix-cache-strategy, overlap scheduler on)
 STRATEGIES = {

@@ -30,7 +30,7 @@ def test_samples_split_into_forward_and_the_rest_per_request(tmp_path):
     raw = _raw(tmp_path, [
         (f"{LOOP};Scheduler.run_batch (scheduler.py:50);{FWD};EagerRunner._execute_decode (eager_runner.py:9)", 200),
         (f"{LOOP};Scheduler.run_batch (scheduler.py:50);{FWD};EagerRunner._execute_extend (eager_runner.py:8)", 100),
-        (f"{LOOP};Scheduler.run_batch (scheduler.py:50);{FWD};accumulate_gdn_bound (patches/tail_replay_gdn_bound.py:7)", 20),
+        (f"{LOOP};Scheduler.run_batch (scheduler.py:50);{FWD};accumulate_gdn_bound (patches/tail_replay/gdn_bound.py:7)", 20),
         (f"{LOOP};Scheduler.get_next_batch_to_run (scheduler.py:60);UnifiedRadixCache.match_prefix (unified_radix_cache.py:70)", 40),
         (f"{LOOP};Scheduler.get_next_batch_to_run (scheduler.py:61);plan_replay (sglang_ext/tail_replay/planner.py:90)", 10),
         (f"{LOOP};Scheduler.process_batch_result (scheduler.py:80)", 30),
@@ -46,7 +46,7 @@ def test_samples_split_into_forward_and_the_rest_per_request(tmp_path):
     assert outside["Scheduler.get_next_batch_to_run (scheduler.py)"] == 125.0
     assert outside["plan_replay (sglang_ext/tail_replay/planner.py)"] == 25.0
     assert "Scheduler.run_batch (scheduler.py)" not in outside       # all its samples are in the forward
-    assert dict(p["sglang_ext"]) == {"accumulate_gdn_bound (patches/tail_replay_gdn_bound.py)": 50.0,
+    assert dict(p["sglang_ext"]) == {"accumulate_gdn_bound (patches/tail_replay/gdn_bound.py)": 50.0,
                                      "plan_replay (sglang_ext/tail_replay/planner.py)": 25.0}
 
 

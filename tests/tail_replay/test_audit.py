@@ -1,5 +1,5 @@
 """The live quality audit's pure parts (`sglang_ext.tail_replay.audit`: sampling decision, divergence,
-store of served distributions, config keys) and its scheduler side (`patches/tail_replay_audit.py`'s
+store of served distributions, config keys) and its scheduler side (`patches/tail_replay/audit.py`'s
 `observe_forward`) on duck-typed requests, with no server."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sglang_ext.tail_replay as face
-from sglang_ext.patches import tail_replay_audit
+from sglang_ext.patches.tail_replay import audit as tail_replay_audit
 from sglang_ext.tail_replay import metrics
 from sglang_ext.tail_replay.audit import (
     FORCED,
@@ -324,10 +324,10 @@ def test_finished_audited_requests_are_found_in_the_output():
 
 
 def test_the_server_marks_its_own_runs_after_the_request_check():
-    """patches/tail_replay_request.py: the mark goes from the `GenerateReqInput` the server built (a
+    """patches/tail_replay/request.py: the mark goes from the `GenerateReqInput` the server built (a
     Python attribute, no request field) into the sampling params bound for the scheduler, after
     SGLang's check; a request without it (any client's) is left as it is."""
-    from sglang_ext.patches import tail_replay_request
+    from sglang_ext.patches.tail_replay import request as tail_replay_request
 
     def create(self, obj, *args):   # SGLang's _create_tokenized_object, reduced to what the wrapper reads
         return SimpleNamespace(sampling_params=SimpleNamespace(custom_params=obj.sampling_params.get("custom_params")))

@@ -2,7 +2,7 @@
 tier the planner plans over.
 
 The harness of test_cache_pools.py, plus SGLang's own HiCache set-up (`init_hicache`, the CPU
-engine's `direct` io backend and `page_first_direct` layout, patches/cpu_hicache.py)
+engine's `direct` io backend and `page_first_direct` layout, patches/cpu/hicache.py)
 and the scheduler's admission steps for a host hit: `init_load_back` with the match's
 `best_match_node` / `host_hit_length`, the prefix growing by the count it returns, then the load
 acknowledged (`loading_check`). Written KV values are markers, so a loaded slot's contents can be

@@ -1,7 +1,7 @@
 """PD disaggregation keeps the exactness label (no PD run, no RDMA: CPU only). The label's row
 (`label_transfer`): every label shape round trips bit for bit, and a row that is missing, another
 request's or damaged fails closed. SGLang's real `MetadataBuffers` under the patch
-(`patches/tail_replay_disagg.py`): the prefill side's `set_buf`, a byte copy of every buffer
+(`patches/tail_replay/disagg.py`): the prefill side's `set_buf`, a byte copy of every buffer
 `get_buf_infos` lists (what a transfer engine does, row to row, stopping at the shorter list), and
 the decode side's commit: the decode server's `answer_label` is the prefill server's; without the
 label's buffer on either side, or with zeros, it is `exact: false`."""
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from sglang.srt.disaggregation.utils import MetadataBuffers  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from sglang_ext.patches import tail_replay_disagg as disagg  # noqa: E402
+from sglang_ext.patches.tail_replay import disagg  # noqa: E402
 from sglang_ext.tail_replay import label_transfer as lt  # noqa: E402
 from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.metrics import answer_label  # noqa: E402

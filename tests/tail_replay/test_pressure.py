@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_ext.patches import tail_replay_pressure as patch
+from sglang_ext.patches.tail_replay import pressure as patch
 from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError, config_from_dict
 from sglang_ext.tail_replay.decay_profile import DecayProfile
 from sglang_ext.tail_replay.metrics import pressure_summary

@@ -1,6 +1,6 @@
 """Exact repair's pure parts (`sglang_ext.tail_replay.repair`: when a request is repaired, what is
 recomputed, the repair run's overrides and config keys) and the tokenizer side's reading of a batch
-output (`patches/tail_replay_audit.py`'s `_repairs_due`) on duck-typed objects, with
+output (`patches/tail_replay/audit.py`'s `_repairs_due`) on duck-typed objects, with
 no server (the served path: tests/e2e/test_tail_replay_server.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sglang_ext.patches import tail_replay_audit
+from sglang_ext.patches.tail_replay import audit as tail_replay_audit
 from sglang_ext.tail_replay.config import BACKGROUND_PARAM_KEY, DEFAULTS, TailReplayConfigError, config_from_dict
 from sglang_ext.tail_replay.repair import (
     REPAIR_KEY,

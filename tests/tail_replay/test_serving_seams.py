@@ -20,7 +20,7 @@ from sglang.srt.runtime_context import get_parallel  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 
 from sglang_ext import env  # noqa: E402
-from sglang_ext.patches import tail_replay_request  # noqa: E402
+from sglang_ext.patches.tail_replay import request as tail_replay_request  # noqa: E402
 from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.metrics import answer_label, is_recording_rank, record_plan, replay_summary  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
@@ -93,7 +93,7 @@ PLUGIN_PROBE = textwrap.dedent("""
     plugin.before_resolve(SimpleNamespace(radix_cache_backend=None, kv_cache_dtype="auto"))
     assert applied_patches() == cpu_only and "SGLANG_EXT_PATCH_MODE" not in os.environ
     plugin.before_resolve(SimpleNamespace(radix_cache_backend="tail_replay", kv_cache_dtype="auto"))
-    assert "tail_replay_request" in applied_patches() and os.environ["SGLANG_EXT_PATCH_MODE"] == "gpu"
+    assert "tail_replay.request" in applied_patches() and os.environ["SGLANG_EXT_PATCH_MODE"] == "gpu"
     from sglang.srt.mem_cache.registry import registered_radix_cache_backends
     assert "tail_replay" in registered_radix_cache_backends()
     print("plugin-probe-ok")

@@ -1,5 +1,5 @@
 """Chat messages -> SAE's typed spans: a chat prompt's tokens typed by the role of the message
-that rendered them (``patches/sae_chat.py`` fills ``token_types`` with them). Pure Python."""
+that rendered them (``patches/sae/chat.py`` fills ``token_types`` with them). Pure Python."""
 
 from __future__ import annotations
 

@@ -9,12 +9,12 @@ calls names that have no CPU binding:
   chunk-grid and tracked states `--mamba-radix-cache-strategy extra_buffer` reads) and
   `selective_state_update` (~lines 721/756, decode) are Triton kernels.
 All six names are rebound in the `mamba.py` module to the torch ops in
-`patches/cpu_ops/mamba2.py` (the conv ones reuse `patches/cpu_ops/conv1d.py`).
+`patches/cpu/ops/mamba2.py` (the conv ones reuse `patches/cpu/ops/conv1d.py`).
 """
 
 from __future__ import annotations
 
-from sglang_ext.patches.cpu_ops import mamba2
+from sglang_ext.patches.cpu.ops import mamba2
 
 TARGET = "srt/layers/attention/mamba/mamba.py: causal_conv1d_*, mamba_chunk_scan_combined, selective_state_update"
 

@@ -5,7 +5,7 @@ Targets `srt/layers/moe/fused_moe_native.py` (SGLang 0.5.23): `moe_forward_nativ
 ~line 1383 on CPUs without AMX) and `fused_moe_forward_native` (~line 21, its torch.compile
 variant at batch size 1). Both assume gated experts and silently drop
 `routed_scaling_factor`, so every token of a Nemotron-3 style MoE (relu2 non-gated experts,
-factor != 1) comes out wrong. Both are replaced by `patches/cpu_ops/moe.moe_forward_cpu`,
+factor != 1) comes out wrong. Both are replaced by `patches/cpu/ops/moe.moe_forward_cpu`,
 which keeps SGLang's own gated path (Qwen3-Next: silu, no factor -> unchanged results).
 `forward_cpu` imports the name at call time, so rebinding the module attribute suffices.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from sglang_ext.patches.cpu_ops.moe import moe_forward_cpu
+from sglang_ext.patches.cpu.ops.moe import moe_forward_cpu
 
 TARGET = "srt/layers/moe/fused_moe_native.py: moe_forward_native, fused_moe_forward_native"
 

@@ -3,7 +3,7 @@
 Target (SGLang 0.5.23): `srt/layers/radix_linear_attention.py::RadixLinearAttention.forward`, the
 model-layer call every GDN model makes (Qwen3-Next, Qwen3.5) with the gate inputs `a` of the whole
 packed batch, before any backend (CPU, Triton, FlashInfer) computes the gating. For an extend batch
-holding approximate replays' tails (`patches/tail_replay_batch.py::bound_segments_of`) it computes
+holding approximate replays' tails (`patches/tail_replay/batch.py::bound_segments_of`) it computes
 g = -exp(A_log) softplus(a + dt_bias) on those rows only and adds each request's sum per head into
 its record (`BoundSegments.accumulate`: one gather and one segment sum per layer, no host sync);
 then, for the rows requests compute after an approximate start (`carry_segments_of`), the per-row
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sglang_ext.patches.tail_replay_batch import bound_segments_of, carry_segments_of
+from sglang_ext.patches.tail_replay.batch import bound_segments_of, carry_segments_of
 from sglang_ext.tail_replay import gdn_log_decay
 
 TARGET = "srt/layers/radix_linear_attention.py: RadixLinearAttention.forward"

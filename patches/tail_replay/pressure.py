@@ -22,7 +22,7 @@ poll that brings a generate request, not on empty polls. The decision is the req
 a request that then waits in the queue keeps it (documented staleness).
 
 A client cannot send the stamp: `sglang_ext.tail_replay.check_request` refuses the key with a 400
-in the tokenizer process (`patches/tail_replay_request.py`), before the request reaches a scheduler.
+in the tokenizer process (`patches/tail_replay/request.py`), before the request reaches a scheduler.
 """
 
 from __future__ import annotations

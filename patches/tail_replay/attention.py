@@ -17,10 +17,10 @@ runs:
   being captured, so it substitutes nothing there (a capture-time index would replay stale rows).
 
 Under SGLang's "full" prefill graph nothing runs eagerly at replay; batches with a tail are sent
-to the eager path instead (`patches/tail_replay_prefill_graph.py`).
+to the eager path instead (`patches/tail_replay/prefill_graph.py`).
 
 Before the attention backend stores and reads K/V, the tail rows of k / v (found by
-`patches/tail_replay_batch.py`) are replaced by the cached values. Because the substitution
+`patches/tail_replay/batch.py`) are replaced by the cached values. Because the substitution
 happens ahead of the backend, it holds for every backend (ragged or paged), and the tail's freshly
 allocated KV slots receive exact copies (freed as duplicates on insert).
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from sglang_ext.patches.tail_replay_batch import tail_of
+from sglang_ext.patches.tail_replay.batch import tail_of
 
 TARGET = ("srt/layers/radix_attention.py: RadixAttention._eager_attention (@eager_on_graph body) "
           "and RadixAttention.forward")

@@ -8,7 +8,7 @@ returns the chunk-start states like the Triton kernel does.
 
 from __future__ import annotations
 
-from sglang_ext.patches.cpu_ops.gdn import chunk_gated_delta_rule_with_h
+from sglang_ext.patches.cpu.ops.gdn import chunk_gated_delta_rule_with_h
 
 TARGET = "srt/layers/attention/linear/kernels/gdn_triton.py: chunk_gated_delta_rule"
 

@@ -15,15 +15,15 @@ the prompt), what it generated under earlier plans, and the positions of the inp
 returns (`logprob_start_len`). Other servers keep SGLang's details unchanged. A
 finished answer that was not exact, on a server or request with `repair: true`, also carries its
 sequence under `REPAIR_KEY` (`sglang_ext.tail_replay.repair`) for the tokenizer process, which
-removes it and sends the repair run (`patches/tail_replay_audit.py`); a request that
+removes it and sends the repair run (`patches/tail_replay/audit.py`); a request that
 asked for a shared state's repair (`repair_shared`, the default) carries that state's prefix under
 `SHARED_REPAIR_KEY` the same way, in its first output (a streamed request's first token; otherwise
 the output SGLang sends at its finish or forced stream interval), so that the repair runs while the
 request decodes.
 
-Each summary is written as `sglang_ext.patches.ipc_json.encode(summary)` (a tagged JSON string: SGLang's IPC
+Each summary is written as `sglang_ext.patches.shared.ipc_json.encode(summary)` (a tagged JSON string: SGLang's IPC
 types the field `Dict[str, Union[int, str]]`), and turned back into an object in the tokenizer
-process by `sglang_ext.patches.ipc_json.py`, so clients see nested JSON under both IPC modes.
+process by `sglang_ext.patches.shared.ipc_json.py`, so clients see nested JSON under both IPC modes.
 
 Target (SGLang 0.5.23): `srt/managers/scheduler_components/output_streamer.py::
 SchedulerOutputStreamer.get_cached_tokens_details`.
@@ -57,7 +57,7 @@ def label_of(req, server_labels: Callable[[], bool] = this_server_labels) -> dic
     """The label an answer of `req` carries (`answer_label`, its input logprobs read from
     `logprob_start_len`), or None: a request without a plan on a server that does not label
     (`server_labels()`, asked only for a request without a plan). The one rule for `meta_info` and for what PD
-    disaggregation carries (`patches/tail_replay_disagg.py`)."""
+    disaggregation carries (`patches/tail_replay/disagg.py`)."""
     from sglang_ext.tail_replay import answer_label, record_of
 
     record = record_of(req)
@@ -72,7 +72,7 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
     def get_cached_tokens_details(self, req):
         details = original(self, req)
         from sglang_ext.hooks import meta_contributions
-        from sglang_ext.patches.ipc_json import encode
+        from sglang_ext.patches.shared.ipc_json import encode
         from sglang_ext.tail_replay import (
             META_KEY,
             REPAIR_KEY,

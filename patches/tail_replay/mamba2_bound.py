@@ -8,11 +8,11 @@ Targets (SGLang 0.5.23), one seam, the Mamba-2 mixer's SSD scan call:
 - `srt/layers/attention/mamba/mamba.py: mamba_chunk_scan_combined`, the module global
   `MambaMixer2.forward` calls with the prefill rows' raw time steps `dt`, `A`, `dt_bias`,
   `dt_softplus` and `dt_limit` (whatever it is bound to: SGLang's Triton kernel on a GPU, the torch
-  op of `patches/cpu_mamba2.py` on CPU, so this module is applied after it). The wrapper computes
+  op of `patches/cpu/mamba2.py` on CPU, so this module is applied after it). The wrapper computes
   A x dt (discretized as the scan does) on the batch's approximate replays' tail rows only and
   adds each request's sum per head into its record (`BoundSegments.accumulate`: one gather and one
   segment sum per layer, no host sync). Prefill rows come first in the packed batch, so the rows
-  of `patches/tail_replay_batch.py::bound_segments_of` index `dt` directly.
+  of `patches/tail_replay/batch.py::bound_segments_of` index `dt` directly.
 
 Not covered: extends inside a prefill CUDA graph (the mixer runs as a captured op there): such a
 request's bound is reported as None (`state_bound.summarize`).
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from sglang_ext.patches.tail_replay_batch import bound_segments_of, carry_segments_of
+from sglang_ext.patches.tail_replay.batch import bound_segments_of, carry_segments_of
 from sglang_ext.tail_replay import BoundSegments, CarrySegments, mamba2_log_decay
 
 TARGET = ("srt/layers/attention/hybrid_linear_attn_backend.py: Mamba2AttnBackend.forward, and "

@@ -59,7 +59,7 @@ def _wrap(original):
     @functools.wraps(original)
     def _convert_to_internal_request(self, request, raw_request=None):
         adapted, request_out = original(self, request, raw_request)
-        from sglang_ext.patches.sae_request import _sae_in_force
+        from sglang_ext.patches.sae.request import _sae_in_force
 
         params = adapted.sampling_params
         if not (_sae_in_force() and isinstance(adapted.input_ids, list) and adapted.input_ids

@@ -10,7 +10,7 @@ imports from `kernels/ops/mamba/triton_ops`:
 - `selective_state_update` (`ssu_dispatch.py` / `mamba_ssm.py`): one (or T) decode steps,
   updating `state[state_batch_indices]` in place.
 - `causal_conv1d_fn` / `causal_conv1d_update` with the signatures of
-  `srt/layers/attention/mamba/causal_conv1d.py`, delegating to `patches/cpu_ops/conv1d.py`.
+  `srt/layers/attention/mamba/causal_conv1d.py`, delegating to `patches/cpu/ops/conv1d.py`.
 
 Layouts (SGLang's): x [b, L, H, P], dt [b, L, H], A [H], B/C [b, L, G, N], D [H] or [H, P],
 SSM state [.., H, P, N]. Math in fp32 (`hybrid_kernels.mamba2`). Within a sequence the scan runs
@@ -245,7 +245,7 @@ def causal_conv1d_fn(x, weight, bias=None, query_start_loc=None, cache_indices=N
     [slots, D, W-1] updated in place at cache_indices. Returns the conv output [D, total_T].
     (`seq_lens_cpu`, a Triton launch hint, is accepted and unused.)
     """
-    from sglang_ext.patches.cpu_ops.conv1d import causal_conv1d_fwd_cpu
+    from sglang_ext.patches.cpu.ops.conv1d import causal_conv1d_fwd_cpu
 
     unknown = set(kwargs) - {"seq_lens_cpu"}
     if unknown:
@@ -263,7 +263,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
     x [b, D] or [b, D, T]; conv_state [slots, D, W-1] updated in place at conv_state_indices.
     The speculative-decoding arguments of the Triton variant are not supported.
     """
-    from sglang_ext.patches.cpu_ops.conv1d import causal_conv1d_update_cpu
+    from sglang_ext.patches.cpu.ops.conv1d import causal_conv1d_update_cpu
 
     given = sorted(k for k, v in kwargs.items() if v is not None)
     if given:

@@ -16,7 +16,7 @@ it (stock SGLang, or an older extension) still pairs SGLang's own buffers positi
 engines stop at the shorter list; SGLang logs the count mismatch once per registration).
 
 - prefill side (`set_buf`): the row gets `encode_label(answer_label(record, ...))` (the label the
-  prefill server's own meta_info would carry: the same call as `patches/tail_replay_meta.py`,
+  prefill server's own meta_info would carry: the same call as `patches/tail_replay/meta.py`,
   input-logprob start included), with the request's bootstrap room; zeros where there is nothing
   to carry (a server that does not label, a label this version cannot encode). Every call
   overwrites the whole row, so a reused row never carries an earlier request's label.
@@ -55,7 +55,7 @@ BUFFER_ATTR = "sglang_ext_tail_replay_label"
 
 def _labels_here() -> bool:
     """Whether this server labels its answers: the meta seam's rule."""
-    from sglang_ext.patches import tail_replay_meta
+    from sglang_ext.patches.tail_replay import meta as tail_replay_meta
 
     return tail_replay_meta.this_server_labels()
 
@@ -63,7 +63,7 @@ def _labels_here() -> bool:
 def prefill_words(req: Any) -> list[int] | None:
     """The row the prefill side writes for `req`: the label its own `meta_info` would carry
     (`tail_replay_meta.label_of`), encoded, or None (zeros)."""
-    from sglang_ext.patches import tail_replay_meta
+    from sglang_ext.patches.tail_replay import meta as tail_replay_meta
     from sglang_ext.tail_replay import encode_label
 
     label = tail_replay_meta.label_of(req, _labels_here)

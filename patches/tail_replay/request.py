@@ -8,7 +8,7 @@ tokenizer manager calls for every request (`_create_tokenized_object`) inside
 request gets an error event), anything else with 500. And
 `srt/managers/tokenizer_manager.py::TokenizerManager._create_tokenized_object` itself: once its
 check passed, a request the server sent itself (an audit's reference run, a repair run:
-`patches/tail_replay_audit.py`) gets its mark (`BACKGROUND_PARAM_KEY`: `audit_of` / `repair_of`,
+`patches/tail_replay/audit.py`) gets its mark (`BACKGROUND_PARAM_KEY`: `audit_of` / `repair_of`,
 `repair_kind` and the values the run needs) written into the sampling params bound for the
 scheduler. The mark is read from a Python attribute (`MARK_ATTR`) of the `GenerateReqInput`
 object the server built, which no HTTP field can set; the same key sent by a client is refused by
@@ -20,7 +20,7 @@ Fields read by the extension: `sampling_params.custom_params` (must be a JSON ob
 `sglang_ext.tail_replay.check_request`), no server mark (`BACKGROUND_PARAM_KEY`), plus the server's refusals decided at start-up
 (`sglang_ext.tail_replay.request_limits`: `keep_checkpoints: true` on a server without checkpoints,
 `kv_mode: "exact"` on a quantized KV cache). Servers not running `--radix-cache-backend
-tail_replay` are left to SGLang's own checks. (`input_ids` are checked by `request_token_ids`.)
+tail_replay` are left to SGLang's own checks. (`input_ids` are checked by `shared/request_token_ids`.)
 
 This is the check only: the config it resolves is dropped here, because SGLang sends the request to
 the scheduler as msgspec data (`SamplingParams` is a `msgspec.Struct`), which carries no Python

@@ -3,7 +3,7 @@
 Target (SGLang 0.5.23): `srt/model_executor/runner/prefill_cuda_graph_runner.py:
 PrefillCudaGraphRunner.can_run_graph`. A full prefill graph (`--cuda-graph-config` prefill backend
 "full", opt-in) replays the whole forward with no Python in between, so the exact-KV substitution
-(`patches/tail_replay_attention.py`) cannot run at replay. An extend batch holding a replayed tail
+(`patches/tail_replay/attention.py`) cannot run at replay. An extend batch holding a replayed tail
 whose KV must come from the tree is therefore not replayed from that graph: `can_run_graph` says no
 and SGLang runs it eagerly (its ordinary fallback for batches a graph cannot take). The breakable
 backend (the CUDA default) keeps its graphs: its eager attention region substitutes at replay.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from sglang_ext.patches.tail_replay_batch import tail_of
+from sglang_ext.patches.tail_replay.batch import tail_of
 
 TARGET = "srt/model_executor/runner/prefill_cuda_graph_runner.py: PrefillCudaGraphRunner.can_run_graph"
 

@@ -12,7 +12,7 @@ Two seams (SGLang 0.5.23):
   request's audit is decided once (`audit_trigger`: forced, or a not-exact answer sampled at
   `audit_rate`); an audited request's log-probabilities (float32, CPU) are kept in a bounded store
   (`PendingAudits`) under its rid, and its record's `audit` goes into meta_info
-  (`patches/tail_replay_meta.py`). A request carrying `audit_of` is an audit's reference run: its
+  (`patches/tail_replay/meta.py`). A request carrying `audit_of` is an audit's reference run: its
   distribution is compared with the served one's (`divergence`), recorded (`record_audit`) and
   logged, one line per audit. Only the replica's recording rank keeps and compares.
 - tokenizer process: `srt/managers/tokenizer_manager.py::TokenizerManager._handle_batch_output`.
@@ -21,10 +21,10 @@ Two seams (SGLang 0.5.23):
   `GenerateReqInput` through `generate_request` in an asyncio task (drained, output dropped):
   `exactness: "exact"`, no state stored, `audit_of` = the rid, one greedy token, at the
   least-favoured priority when the server runs `--enable-priority-scheduling`. A background run
-  carries these values as the server's mark, out of band (`patches/tail_replay_request.py`:
+  carries these values as the server's mark, out of band (`patches/tail_replay/request.py`:
   `mark_background_run`), never as request fields a client could also send.
   An output that carries a repair sequence (`REPAIR_KEY` in a finished one, or `SHARED_REPAIR_KEY`
-  in a request's first output; put there by `patches/tail_replay_meta.py`) has the key removed before SGLang's handler
+  in a request's first output; put there by `patches/tail_replay/meta.py`) has the key removed before SGLang's handler
   builds the response, and unless the request was aborted the sequence is sent the same way as
   token ids (`repair_overrides`: exact, `repair_of` = the rid, `repair_kind`, one greedy token, the request's LoRA,
   `extra_key`, `cache_salt` and DP routing), at most `MAX_REPAIRS_IN_FLIGHT` at a time.
@@ -205,7 +205,7 @@ def _background_request(tokenizer_manager: Any, obj: Any, *, text: Any, input_id
     priority = None
     if getattr(tokenizer_manager, "enable_priority_scheduling", False):
         priority = sys.maxsize if get_schedule().schedule_low_priority_values_first else -sys.maxsize - 1
-    from sglang_ext.patches.tail_replay_request import mark_background_run
+    from sglang_ext.patches.tail_replay.request import mark_background_run
     from sglang_ext.tail_replay import background_mark
 
     run = GenerateReqInput(

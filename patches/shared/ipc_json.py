@@ -14,8 +14,8 @@ turned back into the object right after it arrives, before anything there reads 
 - tokenizer -> scheduler: `TokenizerManager._dispatch_to_scheduler` (and its async twin) encode the
   custom_params values that are not one of SGLang's shapes; `Scheduler.handle_generate_request`
   decodes them (the request's fields were validated in the tokenizer process already);
-- scheduler -> tokenizer: `patches/tail_replay_meta.py` writes the summaries encoded;
-  `TokenizerManager._handle_batch_output` decodes them (applied after `tail_replay_audit`, so it
+- scheduler -> tokenizer: `patches/tail_replay/meta.py` writes the summaries encoded;
+  `TokenizerManager._handle_batch_output` decodes them (applied after `tail_replay/audit`, so it
   runs first), so a client gets the same JSON in either mode.
 
 Targets (SGLang 0.5.23): `srt/managers/tokenizer_manager.py` (`_dispatch_to_scheduler`,

@@ -7,7 +7,7 @@ CPU ops from it at import time (`kernels/ops/kvcache/cache_move.py`,
 
 The stand-in is a package whose `__path__` is the real one, so sgl_kernel's own Python
 wrappers (e.g. `sgl_kernel.mamba.chunk_gated_delta_rule_cpu`) load unchanged; only the
-compiled `torch.ops.sgl_kernel.*_cpu` ops are provided, in pure torch (`patches/cpu_ops`).
+compiled `torch.ops.sgl_kernel.*_cpu` ops are provided, in pure torch (`patches/cpu/ops`).
 A top-level name is looked up in sgl_kernel's submodules; anything without a CPU op fails
 with an error naming it.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sglang_ext.patches.cpu_ops import conv1d, gdn, memory, sampling
+from sglang_ext.patches.cpu.ops import conv1d, gdn, memory, sampling
 
 TARGET = "sgl_kernel/__init__.py (sglang-kernel 0.4.10)"
 

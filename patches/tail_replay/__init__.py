@@ -1,0 +1,1 @@
+"""tail_replay patches."""
