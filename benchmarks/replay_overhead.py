@@ -51,7 +51,7 @@ EXPECTED = {"miss": "miss", "exact": "exact_checkpoint", "exact_short": "exact_c
 #: frames counted as the model forward / as Tail-Replay's bookkeeping in a py-spy sample
 FORWARD = re.compile(r"forward_batch_generation \(")
 BOOKKEEPING = re.compile(r"sglang_ext/tail_replay/|tail_replay/batch\.py|tail_replay/meta\.py|"
-                         r"tail_replay/gdn_bound\.py:\d+\)$|accumulate_gdn_bound|substitute_")
+                         r"tail_replay/linear_bound\.py:\d+\)$|accumulate_bound|substitute_")
 
 
 class Bench:
@@ -104,7 +104,7 @@ def profile(bench: Bench, kind: str, reps: int, out: Path) -> dict:
         in_forward = any(FORWARD.search(f) for f in frames)
         forward += n if in_forward else 0
         mine = [f for f in frames if BOOKKEEPING.search(f)]
-        if mine and not (in_forward and all("tail_replay/gdn_bound" in f and "forward" in f for f in mine)):
+        if mine and not (in_forward and all("tail_replay/linear_bound" in f and ".seam (" in f for f in mine)):
             book += n
             functions[mine[-1].split(" (")[0]] += n
     return {"samples": total, "forward_share": forward / max(total, 1), "bookkeeping_share": book / max(total, 1),

@@ -41,7 +41,7 @@ GROUPS = (  # inclusive: a stack counts once per group whose pattern one of its 
     ("SAE state order (state_eviction_order)", r"^state_eviction_order \("),
     ("SAE /metrics (publish_metrics)", r"^publish_metrics \("),
     (TR_ALL, None),
-    ("Tail-Replay's KV past the state (second insert)", r"_insert_kv_past_the_state \("),
+    ("Tail-Replay's KV past the state (second insert)", r"KvPastTheState\.insert \("),
     ("before the first token: prefill scheduling (get_new_batch_prefill, with the match)",
      r"\.get_new_batch_prefill \("),
     ("before the first token: prefill result (process_batch_result_prefill, with its insert)",

@@ -69,3 +69,75 @@ def test_linearkv_modules_import_no_cycle():
     that imports it."""
     assert not any(n.startswith("sglang_ext.linearkv.sglang_cache")
                    for n in _imports(ROOT / "sglang_ext" / "linearkv" / "prepass.py"))
+
+
+def _project_classes() -> dict[str, set[str]]:
+    """{class name: the modules (dotted, `patches/` as `sglang_ext.patches`) defining a class of
+    that name} over `sglang_ext/` and `patches/`."""
+    found: dict[str, set[str]] = {}
+    for path, module in _product_modules():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, set()).add(module)
+    return found
+
+
+def _product_modules() -> list[tuple[Path, str]]:
+    out = []
+    for folder, package in (("sglang_ext", "sglang_ext"), ("patches", "sglang_ext.patches")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            out.append((path, ".".join((package, *parts))))
+    return out
+
+
+def _project_bases(tree: ast.Module, module: str, classes: dict[str, set[str]]) -> dict[str, list[str]]:
+    """{class defined in `tree`: its bases that resolve to a class defined in the project}. A base
+    resolves through the module's own classes and its imports (`from X import Name`, `import X as
+    Y` then `Y.Name`); a name imported from a project module counts when a project class has that
+    name (re-exports through a package's public face included)."""
+    imported: dict[str, str] = {}   # local name -> the project module it comes from
+    package = module if module.endswith("__init__") else module.rsplit(".", 1)[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:
+                source = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([source] if source else []))
+            for alias in node.names:
+                imported[alias.asname or alias.name] = source
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                imported[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+    own = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    out: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        ours = []
+        for base in node.bases:
+            if isinstance(base, ast.Name):
+                name, source = base.id, imported.get(base.id)
+                if name in own and source is None:
+                    ours.append(name)
+                    continue
+            elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name):
+                name, source = base.attr, imported.get(base.value.id)
+            else:
+                continue
+            if source is not None and source.startswith("sglang_ext") and name in classes:
+                ours.append(name)
+        out[node.name] = ours
+    return out
+
+
+def test_no_class_takes_two_or_more_project_bases():
+    """No class in `sglang_ext/` or `patches/` takes two or more bases defined in the project:
+    the SGLang adapters compose named parts instead of mixing in slices of each other."""
+    classes = _project_classes()
+    offenders = {}
+    for path, module in _product_modules():
+        for name, bases in _project_bases(ast.parse(path.read_text(), filename=str(path)), module, classes).items():
+            if len(bases) >= 2:
+                offenders[f"{path.relative_to(ROOT).as_posix()}:{name}"] = bases
+    assert offenders == {}

@@ -8,8 +8,8 @@ extend forward, the rows of the packed batch that belong to a request's replayed
 tail_replay cache at match; `sglang_ext.tail_replay.record_of`), are kept in a small registry;
 `patches/tail_replay/attention.py` and `tail_replay/prefill_graph.py` read them (`tail_of`).
 The rows of approximate replays' tails (either KV mode), with each request's `TailDecay`, are kept
-beside them for the gate hooks (`bound_segments_of`: `patches/tail_replay/gdn_bound.py`,
-`tail_replay/mamba2_bound.py`). Also records each request's Tail-Replay plan in the metrics at its first forward.
+beside them for the gate hooks (`bound_segments_of`: `patches/tail_replay/linear_bound.py`).
+Also records each request's Tail-Replay plan in the metrics at its first forward.
 Under tensor parallelism the segments carry the attention-TP group (`head_shards`): each rank's
 hooks see only its heads, and the segments gather over the group so every rank holds the same
 bounds and so makes the same plans, frees and evictions.

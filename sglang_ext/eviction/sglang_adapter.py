@@ -8,8 +8,9 @@ SGLang tree nodes into ``serving.PathNode``. The seams that call it are
 SAE orders the full-KV leaves (``victim()``) and, where the config's ``state_order`` is
 ``"sae"`` (the default under ``tail_replay``; ``"lru"``, SGLang's walk, is the default on the
 default backend), through the rule beside it (``ServerSAE.state_order``: lowest keep value of
-the node's entry first), the recurrent-state checkpoints (``state_eviction_order``, called from
-``patches/sae/state_eviction.py`` in both backends; under ``tail_replay`` the state alone goes,
+the node's entry first), the recurrent-state checkpoints (``SAEStateOrder``: on the default
+backend through ``patches/sae/state_eviction.py``, under ``tail_replay`` as the state order
+``"sae"`` registered in ``sglang_ext.hooks``; under ``tail_replay`` the state alone goes,
 on the default backend a state on a leaf takes the leaf, which SAE then sees as an external
 eviction, queue ``state``): docs/saecache.md.
 """
@@ -19,8 +20,11 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections import deque
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
+
+from sglang_ext.hooks import StateOrder, add_state_order
 
 from .serving import PathNode, SAERequest, ServerSAE, content_keys, parse_request, parse_server_config, tenant_of
 
@@ -154,6 +158,57 @@ def state_eviction_order(tree_core, lru) -> list:
     return [nodes[i] for i in strategy.server.state_order([n.id for n in nodes])]
 
 
+class SAEStateOrder(StateOrder):
+    """SAE's state order over one Mamba component's state LRU: at a walk's start, every unlocked
+    device state in SAE's order (``state_eviction_order``); each step, the next of them still
+    held and unlocked; at the end, the ordering time goes to /metrics. Needs the tree core and the
+    component type. Runs Tail-Replay's state-only walk (registered as ``"sae"``, see
+    ``register_policy``) and SGLang's own walk on the default backend
+    (``patches/sae/state_eviction.py``)."""
+
+    def __init__(self, tree_core, component_type) -> None:
+        self.tree_core = tree_core
+        self.component_type = component_type
+        self.order: deque = deque()
+
+    def start(self, request_cnt: int) -> None:
+        """May mutate: the walk's order, SAE's stats (an ordering)."""
+        self.order = deque(state_eviction_order(self.tree_core, self.tree_core.lru_lists[self.component_type]))
+
+    def next_victim(self):
+        """May mutate: the walk's order (the nodes up to the victim leave it)."""
+        ct = self.component_type
+        lru = self.tree_core.lru_lists[ct]
+        while self.order:
+            node = self.order.popleft()
+            data = node.component_data[ct]
+            if lru.in_list(node) and data.value is not None and data.lock_ref == 0:
+                return node
+        return None
+
+    def end(self) -> None:
+        """May mutate: the walk's order (emptied), /metrics."""
+        self.order = deque()
+        strategy = strategy_of(self.tree_core)
+        if strategy is not None:
+            publish_metrics(strategy)   # the ordering time reaches /metrics
+
+
+def orders_tail_replay_states(tree_core) -> bool:
+    """Whether SAE's order runs a walk of Tail-Replay's state-only walk on ``tree_core``: SAE
+    orders states on the ``tail_replay`` backend (``orders_states``), and neither HiCache nor the
+    session radix cache is on (their state walks stay the backend's)."""
+    return (not tree_core.enable_session_radix_cache and not tree_core.enable_hicache
+            and orders_states(tree_core, "tail_replay"))
+
+
+def register_state_order() -> None:
+    """SAE's state order for Tail-Replay's state-only walk, through the extension point
+    ``sglang_ext.hooks.add_state_order`` (idempotent). May mutate: the hooks' state order registry."""
+    add_state_order(POLICY_NAME, lambda site: SAEStateOrder(site.tree_core, site.component_type),
+                    chosen_when=orders_tail_replay_states)
+
+
 @functools.lru_cache(maxsize=1)
 def _metrics():
     from prometheus_client import Counter, Gauge
@@ -221,11 +276,14 @@ def _publish(strategy: SAEStrategy, metrics: dict) -> None:
 
 
 def register_policy() -> None:
-    """Make ``sae`` a factory and a CLI choice of ``--radix-eviction-policy`` (idempotent)."""
+    """Make ``sae`` a factory and a CLI choice of ``--radix-eviction-policy``, and SAE's state
+    order one of Tail-Replay's walk (``register_state_order``); idempotent. Runs in every patched
+    process (``patches/sae/policy.py``) and in the plugin's main process (``sglang_ext.plugin``)."""
     from sglang.srt.arg_groups.choices import RADIX_EVICTION_POLICY_CHOICES, add_radix_eviction_policy_choices
     from sglang.srt.mem_cache import utils
 
     utils._EVICTION_POLICY_FACTORIES.setdefault(POLICY_NAME, SAEStrategy)
+    register_state_order()
     if POLICY_NAME not in RADIX_EVICTION_POLICY_CHOICES:
         add_radix_eviction_policy_choices([POLICY_NAME])
 

@@ -9,7 +9,7 @@ from typing import Any
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from sglang_ext.linearkv.mamba_component import LinearKVMambaComponent
-from sglang_ext.linearkv.model_layers import KeyRelocator, attention_layers, check_rotary, only_mamba2
+from sglang_ext.linearkv.model_layers import KeyRelocator, attention_layers, check_rotary, scalar_decays_only
 from sglang_ext.linearkv.serving import COMPOSING_RULES, LinearKVConfig, check_server_flags, is_chunk_namespace
 from sglang_ext.linearkv.sglang_cache import LinearKVRadixCache
 from sglang_ext.linearkv.transitions import ChunkTransitions
@@ -39,7 +39,7 @@ def linearkv_cache_factory(ctx: Any) -> Any:
     model = ctx.tp_worker.model_runner.model
     layers = attention_layers(model)
     check_rotary(layers)
-    can_compose = only_mamba2(model)
+    can_compose = scalar_decays_only(model)
     if config.state in COMPOSING_RULES and not can_compose:
         raise ValueError(f"--linearkv-config key 'state': {config.state!r} is served for Mamba-2 models only "
                          "(this model has GDN layers, whose chunk transition is a matrix per head)")

@@ -1,5 +1,5 @@
 """SGLang adapter: what LinearKV reads of a served model (its attention layers' rotary embeddings,
-whether its linear layers are all Mamba-2) and the copy of chunk KV to a new offset (keys
+whether its linear layers' chunk transitions are all scalar decays) and the copy of chunk KV to a new offset (keys
 re-rotated: RoPE composes, R(c_j) R(p) = R(c_j + p); NoPE keys are copied as they are)."""
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ def attention_layers(model: Any) -> list[tuple[int, Any]]:
     return sorted(out.items())
 
 
-def only_mamba2(model: Any) -> bool:
-    """Whether every linear layer of an SGLang model is a Mamba-2 mixer (none is GDN)."""
-    from sglang.srt.layers.attention.mamba.mamba import MambaMixer2
-    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+def scalar_decays_only(model: Any) -> bool:
+    """Whether an SGLang model has linear layers and every one is of a kind whose chunk transition
+    is a scalar decay per head (`LinearKind.scalar_decay`: Mamba-2, not GDN), so chunks compose."""
+    from sglang_ext.tail_replay import linear_kinds_in
 
-    mods = list(model.modules())
-    return any(isinstance(m, MambaMixer2) for m in mods) and not any(isinstance(m, RadixLinearAttention) for m in mods)
+    kinds = linear_kinds_in(model)
+    return bool(kinds) and all(kind.scalar_decay for kind in kinds)
 
 
 def check_rotary(layers: list[tuple[int, Any]]) -> None:

@@ -1,6 +1,6 @@
 """SGLang adapter: EPIC's pre-pass, the chunk heads of assembled LinearKV requests recomputed in
 context before their question's forward (selector `epic-k`; the layout is the pure core's
-`ChunkPlan.heads`, the admission that fills it `assembly.ChunkAssembly._assemble`).
+`ChunkPlan.heads`, the admission that fills it `assembly.ChunkAssembly` at the load).
 
 Why forwards of their own: the recomputed set `heads_1 .. heads_K, Q` is not contiguous, and a head
 must see every earlier chunk (cached KV) but not its own chunk's body, so no one extend of the

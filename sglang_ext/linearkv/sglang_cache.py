@@ -2,7 +2,7 @@
 position-independent chunks; the pure core is `sglang_ext/linearkv/serving.py`).
 
 A request's way through it (seams in `patches/linearkv/request.py` and this class; the admission
-is `assembly.ChunkAssembly`, the state rules per request kind `mamba_component`, the start-up
+is the `assembly.ChunkAssembly` part, the state rules per request kind `mamba_component`, the start-up
 `factory`):
 1. Arrival (tokenizer process): the chunks are found (token spans, or a separator string), and
    one registration prefill per chunk and one for P (`max_new_tokens: 0`,
@@ -86,7 +86,7 @@ def _record_for(req: Any, config: LinearKVConfig, can_compose: bool,
     return record
 
 
-class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
+class LinearKVRadixCache(TailReplayRadixCache):
     linearkv_config: LinearKVConfig = LinearKVConfig()
     chunk_namespace: str = ""
     relocator: KeyRelocator | None = None
@@ -96,13 +96,32 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
     #: to the chunk's node by `tie_transition` and dropped with its state
     transitions: ChunkTransitions | None = None
 
-    def _branch_depth(self, record: Any, planned: Any, prompt_len: int) -> int | None:
-        """Tail-Replay's branch rule is not used here (no shared-state repair at the branch, no
-        branch point for the stock shadow): a LinearKV tree's branches are chunk registrations and
-        their continuations, not prompts that share a prefix, and its background runs would
-        compete with the chunk traffic for state slots (the lazy rule below a shared approximate
-        state still runs). Reads nothing."""
-        return None
+    #: Tail-Replay's branch rule is not used here (no shared-state repair at the branch, no branch
+    #: point for the stock shadow): a LinearKV tree's branches are chunk registrations and their
+    #: continuations, not prompts that share a prefix, and its background runs would compete with
+    #: the chunk traffic for state slots (the lazy rule below a shared approximate state still runs)
+    branch_repair = False
+
+    def build_parts(self) -> None:
+        """Tail-Replay's parts, and the admission of assembled requests (`ChunkAssembly`)."""
+        super().build_parts()
+        self.assembly = ChunkAssembly(self)
+
+    # ---- the admission (`assembly.ChunkAssembly`; `patches/linearkv/admission.py` calls the first two)
+    def open_admission_round(self, adder: Any) -> Any:
+        return self.assembly.open_admission_round(adder)
+
+    def round_slots_of(self, req: Any) -> int:
+        return self.assembly.round_slots_of(req)
+
+    def init_load_back(self, params: Any):
+        return self.assembly.init_load_back(params, super().init_load_back)
+
+    def load_back_is_cache_owned(self) -> bool:
+        return False   # the assembled slots are the request's own; the tree owns only [0, p0)
+
+    def prefix_device_indices(self, req: Any):
+        return self.assembly.prefix_device_indices(req, super().prefix_device_indices)
 
     def reset(self) -> None:
         """SGLang's full reset (the tree is rebuilt); the transitions tied to its nodes go too."""
@@ -135,7 +154,7 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
         node = self._find_chunk(ids, 0, len(ids), need_state=True, space=(req.extra_key, req.cache_salt))
         self.transitions.tie(key, None if node is None else self.tree_core.node_by_id(node))
 
-    def _transitions_of(self, req: Any, chunks: Any) -> list[dict] | None:
+    def transitions_of(self, req: Any, chunks: Any) -> list[dict] | None:
         ids = req.origin_input_ids
         space, salt = self.chunk_space(req)
         out = [self.transitions.get(transition_key(space, salt, ids[s:e])) for s, e in chunks]
@@ -216,7 +235,7 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
             return None
         return node
 
-    def _chunk_nodes(self, req: Any, record: LinearKVRequest) -> tuple[list[Any], Any] | None:
+    def chunk_nodes(self, req: Any, record: LinearKVRequest) -> tuple[list[Any], Any] | None:
         """(the chunks' namespace nodes, P's namespace node when a seed reads P's state), or None
         when one is missing. P is registered as a chunk at offset 0 (its exact KV and state) by the
         request seam; `compose` folds its state, EPIC's first head starts from it (`predecessor`).
@@ -227,7 +246,7 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
         composing = plan.state in COMPOSING_RULES
         heads_read = bool(plan.heads) and plan.state == "predecessor"
         state_spans = ([(0, plan.prefix_end)] if plan.prefix_end else []) + list(plan.chunks)
-        if composing and self._transitions_of(req, state_spans) is None:
+        if composing and self.transitions_of(req, state_spans) is None:
             return None
         nodes = []
         for i, (start, end) in enumerate(plan.chunks):
@@ -242,7 +261,7 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
         prefix = self._find_chunk(ids, 0, plan.prefix_end, need_state=True, space=self.chunk_space(req))
         return None if prefix is None else (nodes, prefix)
 
-    def _prefix_node(self, req: Any, record: LinearKVRequest) -> tuple[Any, Any] | None:
+    def prefix_node(self, req: Any, record: LinearKVRequest) -> tuple[Any, Any] | None:
         """(node, its root) ending the exact prefix P = [0, c_1) in full: in the radix tree, or,
         when the tree serves none of P (Tail-Replay's plan over P starts at 0), P's own
         registration in the chunk namespace (at offset 0 it is P's exact KV); None otherwise."""
@@ -265,8 +284,8 @@ class LinearKVRadixCache(ChunkAssembly, TailReplayRadixCache):
     def _plan_chunks(self, req: Any, record: LinearKVRequest, result: MatchResult) -> MatchResult:
         plan = record.plan
         record.tree_prefix_len = result.device_prefix_len
-        prefix_node = self._prefix_node(req, record)
-        found = None if prefix_node is None else self._chunk_nodes(req, record)
+        prefix_node = self.prefix_node(req, record)
+        found = None if prefix_node is None else self.chunk_nodes(req, record)
         if found is None:
             record.chunks_missed = len(plan.chunks)
             record.recomputed_tokens = len(req.origin_input_ids) - result.device_prefix_len

@@ -10,6 +10,8 @@ hit of L tokens is reused), `request` (the typed per-request record on SGLang's 
 (pure: each approximate replay's error bound from its tail's gates), `provenance` (pure: the bound
 every cached token and state carries, and how a request carries its own forward), `audit` (pure:
 the live quality audit's sampling decision, divergence and store of served distributions),
+`linear_kinds` (pure: the registry of linear-layer kinds, GDN and Mamba-2, each with its SGLang
+layer classes, replay path, bound hook, state layout and naive twin),
 `insert_provenance` (pure: the one place that decides the bounds of what enters the tree; fail
 closed), `own_tail` (kv_mode "recompute"), `pressure` (pure: `exactness: "exact_unless_pressed"`'s
 thresholds and the arrival stamp, written on the replica's first rank by
@@ -19,8 +21,9 @@ transferred metadata, read back by the decode server; `patches/tail_replay/disag
 The SGLang adapter (`--radix-cache-backend
 tail_replay`), one concern per module: `cache` (the match and its plan, the factory), `component`
 (the Mamba component), `tree_provenance` (a node's provenance on insert / split / overlap, the
-matched path walked once per match), `tiers` (host and storage tiers), `state_order` (which state
-goes first under state pressure), `branch_rules` (branch-point track, shared-state repair asks),
+matched path walked once per match), `tiers` (host and storage tiers), `state_walk` (the state-only
+eviction walk), `state_order` and `stock_last` (which state goes first under state pressure: the
+orders Tail-Replay registers in `sglang_ext.hooks`, where a policy registers its own), `branch_rules` (branch-point track, shared-state repair asks),
 `kv_past_state` (KV past a finished request's last state under the extra buffer), `sessions`
 (streaming sessions: a later turn planned from its session's provenance).
 
@@ -48,9 +51,9 @@ A request's route (SGLang 0.5.23), seam by seam:
    registered for the batch; `patches/tail_replay/attention.py` (`RadixAttention`) substitutes
    the cached K/V into those rows, and `patches/tail_replay/prefill_graph.py` sends such batches
    around a "full" prefill CUDA graph. The rows of approximate replays' tails are registered too:
-   `patches/tail_replay/gdn_bound.py` (`RadixLinearAttention.forward`) and
-   `patches/tail_replay/mamba2_bound.py` (the Mamba-2 mixer's SSD scan call) add each request's
-   per-layer tail log-decay into its record (`state_bound`, record `tail_decay`).
+   `patches/tail_replay/linear_bound.py`, at each registered linear kind's replay path
+   (`linear_kinds`: GDN's `RadixLinearAttention.forward`, the Mamba-2 mixer's SSD scan call), adds
+   each request's per-layer tail log-decay into its record (`state_bound`, record `tail_decay`).
 4. output / metrics. `patches/tail_replay/meta.py` (`get_cached_tokens_details`) puts
    `replay_summary(record)` (the plan; for approximate hits the state bound, which also goes into
    its histogram once) into `meta_info.cached_tokens_details.tail_replay`; `/metrics` serves the
@@ -64,7 +67,7 @@ A request's route (SGLang 0.5.23), seam by seam:
    of a smaller bound replace an approximate node's; with `kv_mode` "recompute" `own_tail` keeps the
    request's recomputed tail KV its own (record `own_end`, `own_kv`) until `on_release` frees it.
    HiCache (`--enable-hierarchical-cache`): the planner plans over device + host KV
-   (`_apply_host_plan`, record `host_load`) where the host makes the prefix longer or holds the
+   (`HostTierCache.apply_host_plan`, record `host_load`) where the host makes the prefix longer or holds the
    state a checkpoint plan starts from; `init_load_back` turns SGLang's load-back count into the
    plan's prefix and reads the tail's KV slots after the load. States go to the host only with
    checkpoints, and a host state is copied only into a plan that starts from it
@@ -72,7 +75,7 @@ A request's route (SGLang 0.5.23), seam by seam:
    fresh device KV. `patches/tail_replay/host_pools.py` gives the host budget to KV
    without checkpoints. Storage (`--hicache-storage-backend`, L3): attention KV only, and only of
    strictly exact paths (`write_backup_storage`); SGLang's prefetch probe (a match without a state
-   copy) sees the tree's own match, not a plan (`_is_storage_probe`), and prefetched pages are host
+   copy) sees the tree's own match, not a plan (`HostTierCache.is_storage_probe`), and prefetched pages are host
    nodes the planner plans over.
 6. audit (off unless `audit_rate` > 0 or a request's `audit: true`). `patches/tail_replay/audit.py`:
    in the scheduler (`capture_pre_sample_logits`, the forward's raw logits) the first output of an
@@ -85,7 +88,7 @@ A request's route (SGLang 0.5.23), seam by seam:
    `patches/tail_replay/audit.py` removes it in the tokenizer process and sends it as an
    exact background run (`repair_overrides`: `repair_of`), whose exact KV and end state replace the
    approximate ones in the tree. Shared-state repair (on unless `repair_shared: false`): at the
-   match (`TailReplayRadixCache._note_shared_repair`) a request whose approximate plan creates a
+   match (`SharedRepairRules.note`) a request whose approximate plan creates a
    branch under the extra buffer (`branch_repair_due`), or whose path's deepest state is
    approximate and a branch point (`shared_repair_due`), asks for an exact state there; with its
    first output the prefix goes under `SHARED_REPAIR_KEY` and is sent the same way
@@ -125,6 +128,26 @@ from sglang_ext.tail_replay.config import (
 )
 from sglang_ext.tail_replay.decay_profile import PERCENTILES
 from sglang_ext.tail_replay.label_transfer import ROW_WORDS, decode_side_label, encode_label, merge_labels
+from sglang_ext.tail_replay.linear_kinds import (
+    BoundHook,
+    Gates,
+    GateSeam,
+    LinearKind,
+    NaiveTwin,
+    Scope,
+    StateLayout,
+    TwinTail,
+)
+from sglang_ext.tail_replay.linear_kinds import by_name as linear_kind
+from sglang_ext.tail_replay.linear_kinds import kinds_in as linear_kinds_in
+from sglang_ext.tail_replay.linear_kinds import owner_of as linear_seam_owner
+from sglang_ext.tail_replay.linear_kinds import register as register_linear_kind
+from sglang_ext.tail_replay.linear_kinds import registered as linear_kinds
+from sglang_ext.tail_replay.linear_kinds import seams_at as linear_seams_at
+from sglang_ext.tail_replay.linear_kinds import targets as linear_seam_targets
+from sglang_ext.tail_replay.linear_kinds import unregister as unregister_linear_kind
+from sglang_ext.tail_replay.linear_kinds.gdn import gdn_log_decay
+from sglang_ext.tail_replay.linear_kinds.mamba2 import mamba2_log_decay
 from sglang_ext.tail_replay.metrics import (
     META_KEY,
     answer_label,
@@ -178,8 +201,6 @@ from sglang_ext.tail_replay.state_bound import (
     StateBound,
     TailDecay,
     bound_segments,
-    gdn_log_decay,
-    mamba2_log_decay,
     summarize,
 )
 
@@ -201,6 +222,9 @@ __all__ = [
     "MAX_REPAIRS_IN_FLIGHT", "REPAIR_KEY", "SHARED_REPAIR_KEY", "repair_due", "repair_overrides", "repair_sequence",
     "shared_repair_due", "branch_repair_due",
     "BoundSegments", "DistributedHeadShards", "HeadShards", "StateBound", "TailDecay", "bound_segments", "gdn_log_decay", "mamba2_log_decay", "summarize",
+    "BoundHook", "GateSeam", "Gates", "LinearKind", "NaiveTwin", "Scope", "StateLayout", "TwinTail", "linear_kind",
+    "linear_kinds", "linear_kinds_in", "linear_seam_owner", "linear_seam_targets", "linear_seams_at",
+    "register_linear_kind", "unregister_linear_kind",
     "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
     "KIND_TRANSFERRED_UNLABELLED", "ROW_WORDS", "decode_side_label", "encode_label", "merge_labels",
     *_FROM_CACHE,

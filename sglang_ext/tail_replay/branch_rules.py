@@ -1,6 +1,6 @@
 """The branch and shared-state repair rules (SGLang adapter): where a request tracks its state at a
-branch point (`BranchPointTrack`, a mixin of `TailReplayMambaComponent`) and when a match asks for
-a shared state's exact recomputation (`SharedRepairRules`, a mixin of `TailReplayRadixCache`; the
+branch point (`BranchPointTrack`, a part of `TailReplayMambaComponent`) and when a match asks for
+a shared state's exact recomputation (`SharedRepairRules`, a part of `TailReplayRadixCache`; the
 pure decisions are `tail_replay.repair`'s).
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -36,16 +37,31 @@ def branches_below(node: Any, component_type: Any) -> int:
 
 
 class BranchPointTrack:
-    """SGLang's branch-point checkpoint (extra_buffer) under Tail-Replay's deeper matches."""
+    """SGLang's branch-point checkpoint (extra_buffer) under Tail-Replay's deeper matches (a part
+    of `TailReplayMambaComponent`). Needs the tree core, the component type, SGLang's checkpoint
+    grid, the cache's `request_record(req)` and `remember_matched_path(path)` (the planner's
+    matched path), and `on_match(params, nodes)` (the state order's observer of a match)."""
 
-    def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
+    def __init__(self, tree_core: Any, component_type: Any, checkpoint_grid: int, *,
+                 request_record: Callable[[Any], Any], remember_matched_path: Callable[[MatchedPath], None],
+                 on_match: Callable[[Any, list[Any]], None]) -> None:
+        self.tree_core = tree_core
+        self.component_type = component_type
+        self.checkpoint_grid = checkpoint_grid
+        self.request_record = request_record
+        self.remember_matched_path = remember_matched_path
+        self.on_match = on_match
+
+    def finalize(self, result: Any, params: Any) -> Any:
         """SGLang's branch-point checkpoint (extra_buffer): the request tracks its state at the end
         of the KV match (on the checkpoint grid) when no state sits that deep, so the next request
         that branches there resumes from a state, as on stock SGLang (whose match ends at the
         deepest state; here it runs as deep as the KV). The state is stored with the request's
-        bound there (exact, or approximate).
+        bound there (exact, or approximate). Replaces SGLang's
+        `finalize_match_result_in_tree_core`; returns the match result with its
+        `mamba_branching_seqlen`.
 
-        The match counts only as deep as KV stock SGLang would still hold (`_kept_by_stock`):
+        The match counts only as deep as KV stock SGLang would still hold (`kept_by_stock`):
         a branch-point state is tracked in place of the request's own deepest state, and the
         request's insert then stops there (the extra buffer inserts up to the tracked state).
         Where the match runs into KV whose state was freed and below which no state is left
@@ -54,55 +70,64 @@ class BranchPointTrack:
         prompt, as on stock.
 
         The matched path is walked here, once, and handed to the cache's planner
-        (`TailReplayRadixCache.matched_path`). May mutate: the cache's matched path, the stock
-        shadow's order (`StateEvictionOrder.shadow_match`)."""
-        if params.req is not None and self.cache.request_record(params.req).config.repair_kind == "shared_state":
+        (`remember_matched_path`). May mutate: the planner's matched path, the state order's
+        observed matches (`on_match`: the stock shadow's order)."""
+        if params.req is not None and self.request_record(params.req).config.repair_kind == "shared_state":
             return result._replace(mamba_branching_seqlen=None)   # the run keeps its end state only
         path = MatchedPath.walk(self.tree_core, result.last_device_node)   # a node here, not an id
-        self.cache.remember_matched_path(path)
-        self.shadow_match(params, path.nodes)   # stock's match of the same key (`state_order`)
+        self.remember_matched_path(path)
+        self.on_match(params, path.nodes)   # stock's match of the same key (`state_order`)
         depth, state_depth = result.device_prefix_len, 0
         for node in reversed(path.nodes):
             if node.component_data[self.component_type].value is not None:
                 state_depth = depth
                 break
             depth -= len(node.key)
-        grid = self.mamba_checkpoint_grid
+        grid = self.checkpoint_grid
         aligned = result.full_kv_hit_length // grid * grid
         if aligned > state_depth and not result.host_hit_length:   # only then can the part stock holds matter
-            aligned = self._depth_kept_by_stock(result, path) // grid * grid
+            aligned = self.depth_kept_by_stock(result, path) // grid * grid
         return result._replace(mamba_branching_seqlen=aligned if aligned > state_depth else None)
 
-    def _depth_kept_by_stock(self, result, path: MatchedPath) -> int:
+    def depth_kept_by_stock(self, result: Any, path: MatchedPath) -> int:
         """How deep the match runs in KV stock SGLang would still hold: up to the deepest matched
-        node `_kept_by_stock` (the deepest state on the path is one). Reads only."""
+        node `kept_by_stock` (the deepest state on the path is one). Reads only."""
         depth, below = result.device_prefix_len, None
         for node in reversed(path.nodes):
-            if self._kept_by_stock(node, below):
+            if kept_by_stock(node, self.component_type, below):
                 return depth + (result.full_kv_hit_length - result.device_prefix_len)
             below = node
             depth -= len(node.key)
         return depth
 
-    def _kept_by_stock(self, node: Any, known_stateless: Any = None) -> bool:
-        """Whether stock SGLang would still hold `node`'s KV: a state (device or host) sits on it
-        or somewhere below it (stock frees a leaf whole with its state, and then the KV-only
-        nodes that become leaves). `known_stateless`: a child already searched. Reads only."""
-        ct = self.component_type
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            data = n.component_data[ct]
-            if data.value is not None or data.host_value is not None:
-                return True
-            stack.extend(c for c in n.children.values() if c is not known_stateless)
-        return False
+
+def kept_by_stock(node: Any, component_type: Any, known_stateless: Any = None) -> bool:
+    """Whether stock SGLang would still hold `node`'s KV: a state (device or host) sits on it
+    or somewhere below it (stock frees a leaf whole with its state, and then the KV-only
+    nodes that become leaves). `known_stateless`: a child already searched. Reads only."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        data = n.component_data[component_type]
+        if data.value is not None or data.host_value is not None:
+            return True
+        stack.extend(c for c in n.children.values() if c is not known_stateless)
+    return False
 
 
 class SharedRepairRules:
-    """The cache's shared-state repair asks, made at the match (`_note_shared_repair`)."""
+    """The cache's shared-state repair asks, made at the match (`note`). Needs the SGLang cache
+    (its tree core, page size, extra-buffer flag, Mamba component's checkpoint grid), the split
+    of a node at a path's depth (`node_at_depth(path, depth) -> node id`, the match planner's), and
+    whether the branch rule runs (`branch_rule`: a cache whose tree branches where something else
+    than prompts sharing a prefix part turns it off, and runs only the rule below a shared state)."""
 
-    def _note_shared_repair(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> None:
+    def __init__(self, cache: Any, node_at_depth: Callable[[MatchedPath, int], Any], *, branch_rule: bool = True) -> None:
+        self.cache = cache
+        self.node_at_depth = node_at_depth
+        self.branch_rule = branch_rule
+
+    def note(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> None:
         """Shared-state repair (tail_replay/repair.py); asks at most once per request (an ask made
         at an earlier match of the same request, one that waited for room, stands until it is
         sent with the request's first output, `patches/tail_replay/meta.py`). Two rules:
@@ -110,7 +135,7 @@ class SharedRepairRules:
         - at the branch (`branch_repair_due`): under the extra buffer (stock SGLang keeps a state
           where a request branches off the tree), a request whose plan is approximate and whose
           match ends where the tree goes on and its prompt goes on differently asks for the exact
-          state at the checkpoint-grid depth below its match (`_branch_depth`), where stock
+          state at the checkpoint-grid depth below its match (`branch_depth`), where stock
           SGLang's miss would have kept it, so that the next conversation that branches there
           resumes exactly, as on stock.
         - below a shared approximate state (`shared_repair_due`): when the matched path's deepest
@@ -127,7 +152,8 @@ class SharedRepairRules:
         mutate: the record's `shared_repair` and `stock_branch_depth`, a node's mark, the tree's
         node boundaries (the node at the branch rule's depth is split off, so that the mark sits
         where the state will land)."""
-        branch = self._branch_depth(record, planned, prompt_len)
+        core = self.cache.tree_core
+        branch = self.branch_depth(record, planned, prompt_len) if self.branch_rule else None
         if branch is not None:
             record.stock_branch_depth = branch
         if record.shared_repair is not None:
@@ -136,17 +162,17 @@ class SharedRepairRules:
                                                        keeps_branch_states=True)
         depth = branch if due else None
         if depth is not None:
-            node = self.tree_core.node_by_id(self._node_at_depth(planned.path, depth))
+            node = core.node_by_id(self.node_at_depth(planned.path, depth))
         else:
             prov = planned.prov
             if not prov.states:
                 return
             deepest = prov.states[0]
-            node = self.tree_core.node_by_id(deepest.node_id)
+            node = core.node_by_id(deepest.node_id)
             if not shared_repair_due(record.config, bound=deepest.bound,
                                      branches=branches_below(node, ComponentType.MAMBA)):
                 return
-            grid = self._repair_grid()
+            grid = self.repair_grid()
             lands = deepest.depth // grid * grid
             if lands == 0 or self._exact_state_as_deep(record, prov, lands):
                 return   # nothing to land, or it has landed: an exact state as deep as a repair's would be
@@ -157,18 +183,19 @@ class SharedRepairRules:
         setattr(node, SHARED_REPAIR_ATTR, now)
         record.shared_repair = depth
 
-    def _repair_grid(self) -> int:
+    def repair_grid(self) -> int:
         """Where a repair run's state lands below its end: the extra buffer's checkpoint grid (its
         end state without the extra buffer)."""
-        return self.components[ComponentType.MAMBA].mamba_checkpoint_grid if self.enable_mamba_extra_buffer else 1
+        cache = self.cache
+        return cache.components[ComponentType.MAMBA].mamba_checkpoint_grid if cache.enable_mamba_extra_buffer else 1
 
     @staticmethod
     def _exact_state_as_deep(record: TailReplayRequest, prov: PathProvenance, depth: int) -> bool:
         exact = prov.deepest_exact_state(record.config.exact_threshold, strict=False)
         return exact is not None and exact.depth >= depth
 
-    def _branch_depth(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> int | None:
-        """The branch rule of `_note_shared_repair`: the depth of the exact state stock's miss keeps
+    def branch_depth(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> int | None:
+        """The branch rule of `note`: the depth of the exact state stock's miss keeps
         at this request's branch point and a repair would ask for (the match's end on the
         checkpoint grid), or None (the config's `repair_shared` decides the ask, not this). Only
         where the repair run keeps a state there (the extra buffer, on a server that keeps
@@ -183,12 +210,13 @@ class SharedRepairRules:
         plan = planned.plan
         matched, approximate = plan.matched_tokens, not plan.state_is_exact
         # the children are scanned last, and only for an approximate plan (this runs at every match)
-        branches_here = (approximate and 0 < matched < (prompt_len - 1) // self.page_size * self.page_size
-                         and continues_a_prompt(self.tree_core.node_by_id(planned.last_node)))
-        keeps = self.enable_mamba_extra_buffer and self.tail_replay_config.keep_checkpoints
+        cache = self.cache
+        branches_here = (approximate and 0 < matched < (prompt_len - 1) // cache.page_size * cache.page_size
+                         and continues_a_prompt(cache.tree_core.node_by_id(planned.last_node)))
+        keeps = cache.enable_mamba_extra_buffer and cache.tail_replay_config.keep_checkpoints
         if not (approximate and branches_here and keeps):
             return None
-        grid = self._repair_grid()
+        grid = self.repair_grid()
         depth = matched // grid * grid
         if depth == 0 or self._exact_state_as_deep(record, planned.prov, depth):
             return None

@@ -1,14 +1,24 @@
 """Tail-Replay's Mamba component (SGLang adapter): SGLang 0.5.23's `MambaComponent` that never
-limits a match, and keeps or withholds the request's state by its config. Its other concerns are
-mixed in from their own modules: provenance on insert / split / overlap (`tree_provenance`), the
-host tier (`tiers`), the state eviction order (`state_order`) and the branch-point track
-(`branch_rules`).
+limits a match, and keeps or withholds the request's state by its config. The class keeps only
+SGLang's hook overrides; each delegates to a named part, held by composition and built on first use
+(once the tree core is set):
+
+| part | class (module) | what it decides |
+|---|---|---|
+| `provenance` | `ProvenanceWriter` (`tree_provenance`) | a node's provenance on insert / split / overlap |
+| `host_tier` | `HostTierRules` (`tiers`) | which host-tier steps run for states |
+| `branch_track` | `BranchPointTrack` (`branch_rules`) | the branch-point track at a match |
+| `states` | `StateEvictionWalk` (`state_walk`) | the state-only eviction walk and its registered order |
+
+A hook that extends SGLang's step hands SGLang's implementation to the part (`stock=`), or runs it
+first and then the part.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
@@ -16,13 +26,12 @@ from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang_ext.tail_replay.branch_rules import BranchPointTrack
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.request import plan_of, record_of
-from sglang_ext.tail_replay.state_order import StateEvictionOrder
-from sglang_ext.tail_replay.tiers import HostTierComponent
-from sglang_ext.tail_replay.tree_provenance import ProvenanceOnInsert
+from sglang_ext.tail_replay.state_walk import StateEvictionWalk
+from sglang_ext.tail_replay.tiers import HostTierRules
+from sglang_ext.tail_replay.tree_provenance import ProvenanceWriter
 
 
-class TailReplayMambaComponent(StateEvictionOrder, ProvenanceOnInsert, HostTierComponent, BranchPointTrack,
-                               MambaComponent):
+class TailReplayMambaComponent(MambaComponent):
     """Mamba component that never limits a match and stores states with their provenance."""
 
     def __init__(self, cache, params):
@@ -33,14 +42,57 @@ class TailReplayMambaComponent(StateEvictionOrder, ProvenanceOnInsert, HostTierC
         # keeps no reference to the params; the tree's own `disable` is the cache's).
         super().__init__(cache, dataclasses.replace(params, disable=True) if not params.disable else params)
 
-    @property
-    def config(self) -> TailReplayConfig:
+    def _config(self) -> TailReplayConfig:
         return self.cache.tail_replay_config
 
+    # ---- the parts (built on first use: the tree core is set after the constructor) -------------
+    @cached_property
+    def provenance(self) -> ProvenanceWriter:
+        cache = self.cache
+        return ProvenanceWriter(self.tree_core, self.component_type, inserting_prompt_len=cache.inserting_prompt_len,
+                                insert_bounds=cache.insert_bounds, insert_state_bound=cache.insert_state_bound,
+                                inserting_record=cache.inserting_record, free_state=self._free_mamba_value)
+
+    @cached_property
+    def host_tier(self) -> HostTierRules:
+        return HostTierRules(self.tree_core, self._config, state_load_node=lambda: self.cache.state_load_node,
+                             insert_bounds=self.cache.insert_bounds)
+
+    @cached_property
+    def states(self) -> StateEvictionWalk:
+        return StateEvictionWalk(self, self._config, self.cache)
+
+    @cached_property
+    def branch_track(self) -> BranchPointTrack:
+        return BranchPointTrack(self.tree_core, self.component_type, self.mamba_checkpoint_grid,
+                                request_record=self.cache.request_record,
+                                remember_matched_path=self.cache.remember_matched_path,
+                                on_match=self.states.on_match)
+
+    # ---- what the cache calls -------------------------------------------------------------------
+    @property
+    def host_states(self) -> bool:
+        """Whether states go to the host tier (HiCache on, the server keeps checkpoints)."""
+        return self.host_tier.host_states
+
+    def forget_stock_shadow(self) -> None:
+        """The tree was reset (`/flush_cache`): the state order forgets what it observed (the stock
+        shadow). May mutate: the state walk's orders (none before the walk part is built)."""
+        if "states" in self.__dict__:
+            self.states.reset()
+
+    # ---- SGLang's hooks: the match ---------------------------------------------------------------
     def create_match_validator(self, match_device_only: bool = False) -> Callable[[Any], bool]:
         return lambda node: True
 
+    def finalize_match_result_in_tree_core(self, result, params, value_chunks, best_value_len):
+        """The branch-point track (`BranchPointTrack.finalize`). May mutate: the cache's matched
+        path, the state order's observed matches."""
+        return self.branch_track.finalize(result, params)
+
     def finalize_match_result_in_cache(self, params, result):
+        """A plan that does not start from a checkpoint replays from the zero state. May mutate: the
+        request's deferred copy-on-write / clear."""
         plan = plan_of(params.req) if params.req is not None else None
         if plan is None or plan.from_checkpoint:
             return super().finalize_match_result_in_cache(params, result)
@@ -48,6 +100,25 @@ class TailReplayMambaComponent(StateEvictionOrder, ProvenanceOnInsert, HostTierC
             params.req.kv.mamba_cow_src_index = None
             params.req.kv.mamba_needs_clear = True   # replay starts from the zero state
         return result
+
+    # ---- SGLang's hooks: the insert --------------------------------------------------------------
+    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+        """The provenance writer stores the state (through SGLang's commit), then the state order
+        observes the insert. May mutate: the node's state and provenance, the order's shadow."""
+        self.provenance.on_commit(node, is_new_leaf, params, result, cache_actions,
+                                  stock=super().commit_insert_component_data)
+        self.states.on_insert(node, result.prefix_len + (len(node.key) if is_new_leaf else 0), params)
+
+    def redistribute_on_node_split(self, new_parent, child):
+        super().redistribute_on_node_split(new_parent, child)
+        self.provenance.on_split(new_parent, child)
+
+    def update_component_on_insert_overlap(self, node, prefix_len, total_prefix_len, value_slice, params,
+                                           result, cache_actions):
+        consumed = super().update_component_on_insert_overlap(
+            node, prefix_len, total_prefix_len, value_slice, params, result, cache_actions)
+        return self.provenance.on_overlap(node, prefix_len, total_prefix_len, value_slice, params, cache_actions,
+                                          consumed)
 
     def _stores_state(self, req: Any, token_ids_len: int) -> bool:
         """States, exact or approximate (with their bound, see `commit_insert_component_data`),
@@ -75,3 +146,38 @@ class TailReplayMambaComponent(StateEvictionOrder, ProvenanceOnInsert, HostTierC
             self.cache.req_to_token_pool.free_mamba_cache(req)   # the request's state dies with it
             return
         super().cleanup_after_caching_req(req, is_finished, insert_result, insert_params)
+
+    # ---- SGLang's hooks: the host tier (`HostTierRules`) -----------------------------------------
+    def needs_incremental_backup(self, node: Any) -> bool:
+        return self.host_tier.needs_incremental_backup(node, super().needs_incremental_backup)
+
+    def build_hicache_transfers(self, node: Any, phase: Any, **kwargs: Any) -> Any:
+        return self.host_tier.build_hicache_transfers(node, phase, super().build_hicache_transfers, **kwargs)
+
+    def prepare_load_back(self, node_id: Any, *, req: Any = None) -> Any:
+        return self.host_tier.prepare_load_back(node_id, req, super().prepare_load_back)
+
+    def prepare_prefetch(self, node_id: Any, *, prefetch_tokens: int = 0) -> Any:
+        return self.host_tier.prepare_prefetch()
+
+    def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions) -> None:
+        stock = super().drive_host_eviction
+        self.host_tier.drive_host_eviction(lambda: stock(num_tokens, tracker, device_frees, host_frees, cache_actions))
+
+    def recover_after_unevict(self, node, prefix_len, total_prefix_len, params, result, cache_actions) -> None:
+        super().recover_after_unevict(node, prefix_len, total_prefix_len, params, result, cache_actions)
+        self.host_tier.after_unevict(node, total_prefix_len)
+
+    # ---- SGLang's hooks: the device state eviction walk (`StateEvictionWalk`) --------------------
+    def _evict_device_start(self, request_cnt: int) -> None:
+        super()._evict_device_start(request_cnt)
+        self.states.start(request_cnt)
+
+    def _evict_device_next_node(self, tracker, device_frees, host_frees, cache_actions):
+        """Frees the walk order's next state alone (never a whole leaf). May mutate: see
+        `StateEvictionWalk.next_node`."""
+        return self.states.next_node(tracker, device_frees, host_frees, cache_actions)
+
+    def _evict_device_end(self) -> None:
+        self.states.end()
+        super()._evict_device_end()

@@ -70,3 +70,33 @@ def state_bound(record: TailReplayRequest | None, depth: int, *, caching: bool, 
         return UNTRACKED
     return float(insert_bounds(record, depth - 1, depth, caching=caching, transferred=transferred,
                                history=history)[0])
+
+
+class InsertContext:
+    """What one request's caching (`checkpoint_into_tree`) brings into the tree, for the time it
+    runs: its record (None: untracked), its prompt length (where its generated answer begins), its
+    streaming session's history and whether its KV was transferred (PD decode). Every bound the
+    insert stores is asked of it (`bounds`, `state_bound`): the one write path of provenance. No
+    context (an insert outside any request's caching: SGLang's storage prefetch) is exact
+    (`NO_REQUEST`). Holds no tree reference; set once, never changed."""
+
+    __slots__ = ("record", "prompt_len", "history", "transferred", "caching")
+
+    def __init__(self, record: TailReplayRequest | None, prompt_len: int | None, *,
+                 history: torch.Tensor | None = None, transferred: bool = False, caching: bool = True) -> None:
+        self.record, self.prompt_len, self.history = record, prompt_len, history
+        self.transferred, self.caching = transferred, caching
+
+    def bounds(self, start: int, end: int) -> torch.Tensor:
+        """The bound of each position in [start, end) (`insert_bounds`). Reads only."""
+        return insert_bounds(self.record, start, end, caching=self.caching, transferred=self.transferred,
+                             history=self.history)
+
+    def state_bound(self, depth: int) -> float:
+        """The bound of a state stored at `depth` (`state_bound`). Reads only."""
+        return state_bound(self.record, depth, caching=self.caching, transferred=self.transferred,
+                           history=self.history)
+
+
+#: the context of an insert that runs outside any request's caching: exact
+NO_REQUEST = InsertContext(None, None, caching=False)

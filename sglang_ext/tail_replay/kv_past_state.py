@@ -1,12 +1,12 @@
-"""The KV past a finished request's last tracked state, under the extra buffer (SGLang adapter: a
-mixin of `TailReplayRadixCache`, run by its `checkpoint_into_tree`).
+"""The KV past a finished request's last tracked state, under the extra buffer (SGLang adapter: the
+`KvPastTheState` part of `TailReplayRadixCache`, run by its `checkpoint_into_tree`).
 
 Under the extra buffer SGLang inserts a finished request only up to the last state it tracked (a
 chunk boundary of its prefill, or of its decode's track interval) and frees the KV after it: on
 stock SGLang that KV cannot be reused without a state at its end. Here it can (a plan resumes from
 the state and recomputes, or replays), and without the extra buffer the tree gets a request's
 whole KV anyway; so the rest is inserted as KV alone, with the provenance the cache decides for
-every insert (`TailReplayRadixCache.insert_bounds`), for requests whose provenance is tracked.
+every insert (`insert_provenance.InsertContext`), for requests whose provenance is tracked.
 """
 
 from __future__ import annotations
@@ -19,15 +19,20 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-from sglang_ext.tail_replay import own_tail
 from sglang_ext.tail_replay.insert_provenance import tracks
+from sglang_ext.tail_replay.own_tail import OwnTailClaims
 from sglang_ext.tail_replay.request import record_of
 
 
 class KvPastTheState:
-    """`_keeps_kv_past_the_state` (when) and `_insert_kv_past_the_state` (the insert)."""
+    """`keeps` (when) and `insert` (the insert). Needs the SGLang cache it inserts into (its tree
+    core, pools, `insert`, `lock` / `unlock`, flags) and the cache's own-tail claims."""
 
-    def _keeps_kv_past_the_state(self, req: Any, up_to: int) -> bool:
+    def __init__(self, cache: Any, claims: OwnTailClaims) -> None:
+        self.cache = cache
+        self.claims = claims
+
+    def keeps(self, req: Any, up_to: int) -> bool:
         """Whether a finished request's KV past its tree state still waits to be inserted: only
         for the Full + Mamba components (no SWA window to keep), and not with the session radix
         cache (it registers the first insert's end as the session's leaf), and only for a request
@@ -35,37 +40,39 @@ class KvPastTheState:
         where the request's components capped it (another wing's request, e.g. position-independent
         assembled chunks, publishes nothing past its exact prefix), and KV of unknown provenance
         is not worth keeping. Reads only."""
-        return (tracks(record_of(req)) and req.finished() and self.enable_mamba_extra_buffer and not self.disable and req.kv.holds_kv
-                and not req.skip_radix_cache_insert and not self.enable_session_radix_cache
-                and {c.component_type for c in self._components_tuple} == {ComponentType.FULL, ComponentType.MAMBA}
-                and up_to // self.page_size * self.page_size > req.kv.cache_protected_len)
+        cache = self.cache
+        return (tracks(record_of(req)) and req.finished() and cache.enable_mamba_extra_buffer and not cache.disable
+                and req.kv.holds_kv and not req.skip_radix_cache_insert and not cache.enable_session_radix_cache
+                and {c.component_type for c in cache._components_tuple} == {ComponentType.FULL, ComponentType.MAMBA}
+                and up_to // cache.page_size * cache.page_size > req.kv.cache_protected_len)
 
-    def _insert_kv_past_the_state(self, req: Any, up_to: int) -> None:
+    def insert(self, req: Any, up_to: int) -> None:
         """Insert [cache_protected_len, up_to) of a finished request's KV with no state, after
         SGLang's own insert stopped at the request's last tracked state; then, as SGLang's insert
         does, the request's row takes the tree's slots and its lock moves to the new end. The
         request's release frees what is left past it (`release_kv_cache`). A recompute tail
-        (`own_tail`) is claimed over this insert as over the first one. May mutate: the tree, the
+        (`own_tail`) is claimed over this insert as over the first one (`OwnTailClaims`). May mutate: the tree, the
         request's KV row, lock, `cache_protected_len`, `cache_inserted_len`, `last_node`."""
+        cache = self.cache
         token_ids = req.full_untruncated_fill_ids[:up_to]
-        key = RadixKey(token_ids, req.extra_key, is_bigram=self.tree_core.is_eagle,
-                       cache_salt=req.cache_salt).page_aligned(self.page_size)
-        values = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :len(key)].to(dtype=torch.int64, copy=True)
+        key = RadixKey(token_ids, req.extra_key, is_bigram=cache.tree_core.is_eagle,
+                       cache_salt=req.cache_salt).page_aligned(cache.page_size)
+        values = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :len(key)].to(dtype=torch.int64, copy=True)
         params = InsertParams(key=key, value=values, prev_prefix_len=req.kv.cache_protected_len,
                               inserted_len=req.kv.cache_inserted_len, priority=req.priority or 0,
                               session_id=req.session_id, rotation_base=req.kv_rotation_base)
-        with own_tail.claiming(self, req):
-            result = self.insert(params)
+        with self.claims.claiming(req):
+            result = cache.insert(params)
         if result.rotation_tail_declined:
             return
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, len(key))
         new_last_node = result.last_device_node
-        new_indices = self.path_device_indices(new_last_node)
+        new_indices = cache.path_device_indices(new_last_node)
         protected = req.kv.cache_protected_len
-        self.req_to_token_pool.write((req.kv.req_pool_idx, slice(protected, len(new_indices))),
+        cache.req_to_token_pool.write((req.kv.req_pool_idx, slice(protected, len(new_indices))),
                                      new_indices[protected:])
-        self.unlock(req.lock)
-        req.lock = self.lock(new_last_node, skip_lock_components=(
+        cache.unlock(req.lock)
+        req.lock = cache.lock(new_last_node, skip_lock_components=(
             (ComponentType.MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()))
         req.kv.cache_protected_len = len(new_indices)
         req.last_node = new_last_node

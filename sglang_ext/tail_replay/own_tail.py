@@ -25,8 +25,8 @@ tokens" (allocated - protected) does not count them while the request runs; the 
 request running) is exact. SGLang's optional busy-time check (`SGLANG_ENABLE_STRICT_MEM_CHECK_
 DURING_BUSY`) would count them as missing.
 
-Hooks (in `TailReplayRadixCache`, sglang_ext/tail_replay/cache.py): `begin` at match,
-`claiming` around `checkpoint_into_tree`, `insert` around `insert`, `release` in `on_release`.
+Hooks: `begin` at match (the match planner); the cache's `OwnTailClaims` part: `claiming` around
+`checkpoint_into_tree`, `insert` around `insert`, `release` in `on_release`.
 """
 
 from __future__ import annotations
@@ -39,9 +39,6 @@ import torch
 
 from sglang_ext.tail_replay.planner import ReplayPlan
 from sglang_ext.tail_replay.request import TailReplayRequest, record_of
-
-#: attribute on the cache: the request whose checkpoint_into_tree is running (one-shot, see insert)
-_CLAIMING = "_tail_replay_claiming_req"
 
 
 def own_tail_end(plan: ReplayPlan | None, kv_mode: str) -> int | None:
@@ -57,48 +54,73 @@ def begin(record: TailReplayRequest, plan: ReplayPlan, kv_mode: str) -> None:
     record.own_end = own_tail_end(plan, kv_mode)
 
 
-@contextmanager
-def claiming(cache: Any, req: Any) -> Iterator[None]:
-    """Around `checkpoint_into_tree(req)`: arm `insert` for this request's tail, if it has one
-    that is not yet claimed."""
-    record = record_of(req)
-    end = None if record is None else record.own_end
-    if end is None or not req.kv.holds_kv or req.kv.cache_protected_len >= end:
-        yield
-        return
-    setattr(cache, _CLAIMING, req)
-    try:
-        yield
-    finally:
-        setattr(cache, _CLAIMING, None)
+class OwnTailClaims:
+    """One cache's claims of recompute tails over its inserts (`claiming` arms the next insert of
+    a request's caching, `insert` claims). Needs the cache's request-to-token pool (the request's
+    row is read) and its KV allocator (a released request's own slots are freed there).
+    May mutate: the armed request, the record's `own_kv`, the request's `cache_protected_len`,
+    the insert's `prev_prefix_len`, the allocator (release)."""
 
+    def __init__(self, req_to_token_pool: Any, kv_allocator: Any) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.kv_allocator = kv_allocator
+        #: the request whose caching runs and whose own tail is not yet claimed (one-shot)
+        self.armed: Any = None
 
-def insert(cache: Any, params: Any, insert_fn: Callable[[Any], Any]) -> Any:
-    """Around the tree insert of `checkpoint_into_tree`: claim [protected, min(L, inserted key))
-    for the request (not freed as duplicates, row not rewritten), then insert."""
-    req = getattr(cache, _CLAIMING, None)
-    if req is None:
-        return insert_fn(params)
-    setattr(cache, _CLAIMING, None)   # only the request's own insert, not a follow-up one
-    record = record_of(req)
-    start = req.kv.cache_protected_len
-    claim_to = min(record.own_end, len(params.key))
-    if claim_to <= start:
-        return insert_fn(params)
-    params.prev_prefix_len = max(params.prev_prefix_len, claim_to)
-    result = insert_fn(params)
-    if getattr(result, "rotation_tail_declined", False):
-        return result   # SGLang keeps the whole row the request's own then; nothing to claim
-    row = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:claim_to].to(torch.int64).clone()
-    own = record.own_kv
-    if own is None:
-        record.own_kv = (start, row)
-    else:
-        own_start, slots = own
-        assert own_start + len(slots) == start, "own tail claims must be contiguous"
-        record.own_kv = (own_start, torch.cat([slots, row]))
-    req.kv.cache_protected_len = claim_to
-    return result
+    @contextmanager
+    def claiming(self, req: Any) -> Iterator[None]:
+        """Around `checkpoint_into_tree(req)` (and its second insert, the KV past the state): arm
+        `insert` for this request's tail, if it has one that is not yet claimed."""
+        record = record_of(req)
+        end = None if record is None else record.own_end
+        if end is None or not req.kv.holds_kv or req.kv.cache_protected_len >= end:
+            yield
+            return
+        self.armed = req
+        try:
+            yield
+        finally:
+            self.armed = None
+
+    def insert(self, params: Any, insert_fn: Callable[[Any], Any]) -> Any:
+        """Around the tree insert of `checkpoint_into_tree`: claim [protected, min(L, inserted key))
+        for the request (not freed as duplicates, row not rewritten), then insert."""
+        req = self.armed
+        if req is None:
+            return insert_fn(params)
+        self.armed = None   # only the request's own insert, not a follow-up one
+        record = record_of(req)
+        start = req.kv.cache_protected_len
+        claim_to = min(record.own_end, len(params.key))
+        if claim_to <= start:
+            return insert_fn(params)
+        params.prev_prefix_len = max(params.prev_prefix_len, claim_to)
+        result = insert_fn(params)
+        if getattr(result, "rotation_tail_declined", False):
+            return result   # SGLang keeps the whole row the request's own then; nothing to claim
+        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:claim_to].to(torch.int64).clone()
+        own = record.own_kv
+        if own is None:
+            record.own_kv = (start, row)
+        else:
+            own_start, slots = own
+            assert own_start + len(slots) == start, "own tail claims must be contiguous"
+            record.own_kv = (own_start, torch.cat([slots, row]))
+        req.kv.cache_protected_len = claim_to
+        return result
+
+    def release(self, req: Any) -> None:
+        """When the request's row is given back: free its own tail slots, once."""
+        record = record_of(req)
+        own = None if record is None else record.own_kv
+        if own is None:
+            return
+        record.own_kv = None
+        from sglang.srt.mem_cache.common import free_kv_row_segments
+
+        start, slots = own
+        if slots.numel():
+            free_kv_row_segments(self.kv_allocator, [(slots, start)], swa_evicted_seqlen=0)
 
 
 def own_slots(req: Any) -> torch.Tensor | None:
@@ -106,17 +128,3 @@ def own_slots(req: Any) -> torch.Tensor | None:
     record = record_of(req)
     own = None if record is None else record.own_kv
     return None if own is None else own[1]
-
-
-def release(cache: Any, req: Any) -> None:
-    """When the request's row is given back: free its own tail slots, once."""
-    record = record_of(req)
-    own = None if record is None else record.own_kv
-    if own is None:
-        return
-    record.own_kv = None
-    from sglang.srt.mem_cache.common import free_kv_row_segments
-
-    start, slots = own
-    if slots.numel():
-        free_kv_row_segments(cache.token_to_kv_pool_allocator, [(slots, start)], swa_evicted_seqlen=0)

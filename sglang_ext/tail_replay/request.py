@@ -75,7 +75,7 @@ class TailReplayRequest:
     #: kv_mode "recompute": (first position, KV slots) the request holds as its own tail
     own_kv: tuple[int, torch.Tensor] | None = None
     #: approximate plans: the replayed tail's summed log-decay per linear layer, added by the
-    #: forward (`patches/tail_replay/gdn_bound.py`, `tail_replay/mamba2_bound.py`) chunk by chunk;
+    #: forward (`patches/tail_replay/linear_bound.py`, every linear kind's gates) chunk by chunk;
     #: replaced with the plan at every match
     tail_decay: TailDecay = field(default_factory=TailDecay)
     #: the state bound computed from `tail_decay` at the first output (`metrics.replay_summary`)
@@ -104,8 +104,8 @@ class TailReplayRequest:
     shared_repair: int | None = None
     #: where stock SGLang's miss of this request keeps its state instead of at the request's own
     #: end: its branch point, under the extra buffer, when this request's approximate plan branches
-    #: off the tree there (`SharedRepairRules._note_shared_repair`; read by the state order's stock
-    #: shadow at the request's inserts, `StateEvictionOrder._stock_inserts`). Set at a match, kept.
+    #: off the tree there (`SharedRepairRules.note`; read by the state order's stock
+    #: shadow at the request's inserts, `StockLastOrder._stock_inserts`). Set at a match, kept.
     stock_branch_depth: int | None = None
     #: HiCache: the plan's prefix reaches into KV held on the host tier, which SGLang's load-back
     #: brings to the device at admission (`TailReplayRadixCache.init_load_back`); set at every match

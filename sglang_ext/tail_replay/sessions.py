@@ -1,4 +1,4 @@
-"""Streaming sessions under Tail-Replay (SGLang adapter: `StreamingTurns`, a mixin of
+"""Streaming sessions under Tail-Replay (SGLang adapter: `StreamingTurns`, a part of
 `TailReplayRadixCache`).
 
 SGLang answers a streaming session's turn 2+ from the session's slot before the tree match
@@ -18,6 +18,7 @@ every position: its own, and its session's earlier turns'.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from sglang.srt.session.streaming_session import is_virtual_node
 
 from sglang_ext.tail_replay import own_tail, provenance
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig
-from sglang_ext.tail_replay.insert_provenance import insert_bounds
+from sglang_ext.tail_replay.insert_provenance import InsertContext
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.provenance import CarryBound
 from sglang_ext.tail_replay.request import record_of
@@ -76,36 +77,42 @@ def streaming_session_id(req: Any) -> str | None:
 
 
 class StreamingTurns:
-    """The cache's streaming-session rules (`self.session` is SGLang's `StreamingSession`)."""
+    """The cache's streaming-session rules. Needs the cache (its SGLang `StreamingSession`,
+    `cache.session`, read when a turn comes) and the request records (`record_for(req)`). SGLang's
+    own hook is handed to each method (`stock`). May mutate: its table of session provenance, the
+    turns' records, a refused turn."""
 
-    #: per open streaming session with a slot: its provenance (created on first use)
-    _session_table: dict[str, SessionProvenance] | None = None
-    #: (the aborted turn being released, its session's history) between `claim_kv_row` and the
-    #: turn's insert (`session_history`)
-    _released_history: tuple[Any, torch.Tensor | None] | None = None
+    def __init__(self, cache: Any, record_for: Callable[[Any], Any]) -> None:
+        self.cache = cache
+        self.record_for = record_for
+        #: per open streaming session with a slot: its provenance
+        self.table: dict[str, SessionProvenance] = {}
+        #: (the aborted turn being released, its session's history) between `claim_kv_row` and the
+        #: turn's insert (`history`)
+        self.released: tuple[Any, torch.Tensor | None] | None = None
 
-    def session_provenance(self) -> dict[str, SessionProvenance]:
-        """Per open streaming session with a slot: its provenance. May create the table."""
-        if self._session_table is None:
-            self._session_table = {}
-        return self._session_table
+    def reset(self) -> None:
+        """The tree was reset (`/flush_cache`: SGLang rebuilds the session slots too): a stale
+        entry would label a new slot of the same session id with an old slot's provenance."""
+        self.table = {}
+        self.released = None
 
-    def match_prefix(self, params: Any) -> Any:
+    def match_prefix(self, params: Any, stock: Callable[[Any], Any]) -> Any:
         req = params.req
+        session = self.cache.session
         session_id = streaming_session_id(req)
-        if session_id is not None and req.to_finish is None and self.session.will_lend_record(req):
-            slot = self.session.slots[session_id]
+        if session_id is not None and req.to_finish is None and session.will_lend_record(req):
+            slot = session.slots[session_id]
             prefix = min(slot.kv.kv_committed_len, len(params.key))
-            why = refusal(self.session_provenance().get(session_id), prefix, self.request_record(req).config,
-                          session_id)
+            why = refusal(self.table.get(session_id), prefix, self.record_for(req).config, session_id)
             if why is not None:
-                return self._refuse_turn(params, why)
-        result = super().match_prefix(params)
+                return self._refuse_turn(params, why, stock)
+        result = stock(params)
         if session_id is not None and is_virtual_node(result.last_device_node):
             self._plan_session_turn(req, session_id, result.device_prefix_len)
         return result
 
-    def _refuse_turn(self, params: Any, why: str) -> Any:
+    def _refuse_turn(self, params: Any, why: str, stock: Callable[[Any], Any]) -> Any:
         """SGLang's pre-abort of a queued request (`Req.set_finish_with_abort`: a one-token prefill,
         then HTTP 400 with `why`): the turn is detached from its session, whose slot stays for the
         next turn (`StreamingSession.find_active_slot`), and matched as the one token it is now.
@@ -113,15 +120,15 @@ class StreamingTurns:
         req = params.req
         req.set_finish_with_abort(why)
         req.refresh_fill_ids()
-        assert self.session.find_active_slot(req) is None   # detaches it (the session's abort_req)
-        return super().match_prefix(dataclasses.replace(params, key=params.key[:0]))
+        assert self.cache.session.find_active_slot(req) is None   # detaches it (the session's abort_req)
+        return stock(dataclasses.replace(params, key=params.key[:0]))
 
     def _plan_session_turn(self, req: Any, session_id: str, prefix: int) -> None:
         """A turn the session's slot answered: its plan, carry and floor from the session's
         provenance (none known: no plan, so what it inserts is untracked). May mutate: the
         request's record."""
-        record = self.request_record(req)
-        prov = self.session_provenance().get(session_id)
+        record = self.record_for(req)
+        prov = self.table.get(session_id)
         record.host_load = None
         if prov is None or len(prov.kv) < prefix:
             record.drop_plan()
@@ -131,39 +138,37 @@ class StreamingTurns:
         record.kv_slots = None
         own_tail.begin(record, plan, record.config.kv_mode)
 
-    def claim_kv_row(self, req: Any) -> bool:
+    def claim_kv_row(self, req: Any, stock: Callable[[Any], bool]) -> bool:
         """A finished (or retracted) streaming turn leaves its row to its session: the session's
         provenance becomes the turn's whole sequence's. An aborted turn's session is gone: its
-        provenance goes with the turn's release (`session_history`). May mutate: the table."""
+        provenance goes with the turn's release (`history`). May mutate: the table."""
         session_id = streaming_session_id(req)
-        if session_id is None or self.session.borrowed_slot(req) is None:
-            return super().claim_kv_row(req)
-        table = self.session_provenance()
-        before = table.get(session_id)
+        if session_id is None or self.cache.session.borrowed_slot(req) is None:
+            return stock(req)
+        before = self.table.get(session_id)
         n = len(req.origin_input_ids) + (req.finished_len if req.finished_len is not None else len(req.output_ids))
-        kv = insert_bounds(record_of(req), 0, n, caching=True,
-                           history=None if before is None else before.kv)
-        kept = super().claim_kv_row(req)
+        kv = InsertContext(record_of(req), None, history=None if before is None else before.kv).bounds(0, n)
+        kept = stock(req)
         if kept:
             record = record_of(req)
-            table[session_id] = SessionProvenance(
+            self.table[session_id] = SessionProvenance(
                 kv, (before is not None and before.reads_inexact) or (record is not None and record.floor > 0))
         else:
-            table.pop(session_id, None)
-            self._released_history = (req, None if before is None else before.kv)
+            self.table.pop(session_id, None)
+            self.released = (req, None if before is None else before.kv)
         return kept
 
-    def session_history(self, req: Any) -> torch.Tensor | None:
+    def history(self, req: Any) -> torch.Tensor | None:
         """The bounds of what a streaming turn's session computed before it (an aborted turn being
         released; a live turn's session), or None. Reads only."""
-        released = self._released_history
+        released = self.released
         if released is not None and released[0] is req:
             return released[1]
         session_id = streaming_session_id(req)
-        prov = None if session_id is None else self.session_provenance().get(session_id)
+        prov = None if session_id is None else self.table.get(session_id)
         return None if prov is None else prov.kv
 
     def release_session(self, session_id: str) -> None:
-        self.session_provenance().pop(session_id, None)
-        super().release_session(session_id)
-
+        """SGLang closes the session (the caller then runs SGLang's own release). May mutate:
+        the table."""
+        self.table.pop(session_id, None)

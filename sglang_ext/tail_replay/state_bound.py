@@ -3,13 +3,13 @@
 An approximate hit replays the tail [L - W, L) from a zero state instead of the exact state
 S(L - W). The recurrences are affine in the state, so per linear layer and head
 ||S(L) - S_replayed(L)|| <= exp(sum over the tail of the per-token log-decay) x ||S(L - W)||
-(`hybrid_kernels.replay_bound` derives it):
-
-- GDN: log-decay g_t = -exp(A_log) softplus(a_t + dt_bias) (SGLang's `fused_gdn_gating`);
-- Mamba-2: log-decay A dt_t, dt_t = softplus(dt_raw_t + dt_bias) clamped to dt_limit (an equality).
+(`hybrid_kernels.replay_bound` derives it). Each linear-layer kind computes its per-token log-decay from its own gates (its `BoundHook`, in
+the registry `linear_kinds`: GDN g_t = -exp(A_log) softplus(a_t + dt_bias), SGLang's
+`fused_gdn_gating`; Mamba-2 A dt_t, dt_t = softplus(dt_raw_t + dt_bias) clamped to dt_limit, an
+equality).
 
 During the replay the forward sees each linear layer's gate inputs for the packed extend batch
-(`patches/tail_replay/gdn_bound.py`, `patches/tail_replay/mamba2_bound.py`). `BoundSegments` says
+(`patches/tail_replay/linear_bound.py`, at every registered kind's seams). `BoundSegments` says
 which rows of that batch belong to which request's replayed tail; per layer, one gather and one
 segment sum add the rows' log-decay into each request's `TailDecay` (no host sync). A tail split over
 prefill chunks is summed over the chunks. At the output, `summarize` turns the sums into the factor
@@ -160,32 +160,6 @@ def bound_segments(tails: Sequence[tuple[TailDecay, int, int] | None], prefix_le
         return None
     all_rows = torch.cat(rows)
     return BoundSegments(all_rows, torch.cat(segment), tuple(decays), tuple(counts), int(all_rows[-1]) + 1, shards)
-
-
-def gdn_log_decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """a [n, heads] (the GDN gate input) -> g [n, heads] fp32 = -exp(A_log) softplus(a + dt_bias),
-    as SGLang's `fused_gdn_gating` (softplus threshold 20)."""
-    import torch.nn.functional as F
-
-    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
-
-
-def mamba2_log_decay(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor | None = None,
-                     dt_softplus: bool = False,
-                     dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
-    """dt [n, heads] (as the SSD scan receives it), A [heads] (negative) -> A dt_t [n, heads] fp32,
-    dt_t discretized as the scan does (bias, softplus, clamp to dt_limit)."""
-    import torch.nn.functional as F
-
-    step = dt.float()
-    if dt_bias is not None:
-        step = step + dt_bias.float()
-    if dt_softplus:
-        step = F.softplus(step)
-    lo, hi = dt_limit
-    if lo > 0.0 or hi != float("inf"):
-        step = step.clamp(min=lo, max=hi)
-    return A.float() * step
 
 
 def summarize(decay: TailDecay, replayed_tokens: int) -> StateBound | None:

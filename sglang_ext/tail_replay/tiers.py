@@ -1,17 +1,18 @@
 """The host and storage tiers (HiCache, `--hicache-storage-backend`) under Tail-Replay (SGLang
-adapter): mixins of `TailReplayMambaComponent` (`HostTierComponent`) and `TailReplayRadixCache`
+adapter): parts of `TailReplayMambaComponent` (`HostTierRules`) and `TailReplayRadixCache`
 (`HostTierCache`).
 
 With `keep_checkpoints: false` the host tier holds attention KV only: no state is backed up,
 loaded back or evicted there, and every host hit is a KV hit the planner plans over. With
 checkpoints, states go to the host as on stock SGLang (written through with their node, evicted
 with the host LRU), and one is loaded back only into a plan that starts from that very checkpoint
-(`TailReplayRadixCache.state_load_node`): SGLang would copy the best match's host state whatever
+(`HostTierCache.state_load_node`): SGLang would copy the best match's host state whatever
 depth the plan starts from. The storage tier (L3) stays KV-only, and gets strictly exact KV only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import (
 )
 
 from sglang_ext.tail_replay import own_tail
+from sglang_ext.tail_replay.matching import MatchPlanner, tail_kv_slots
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.provenance import NodeProvenance
 from sglang_ext.tail_replay.request import HostLoad, TailReplayRequest, record_of
@@ -32,42 +34,57 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 
 
-class HostTierComponent:
-    """The Mamba component's host-tier rules (`self.config` is the server's TailReplayConfig)."""
+
+class HostTierRules:
+    """The Mamba component's host-tier rules (a part of `TailReplayMambaComponent`): which of
+    SGLang's host-tier steps run for states. Needs the tree core, the server config's getter (its
+    `keep_checkpoints`), the cache's `state_load_node()` (the checkpoint the running load-back may
+    copy) and its `insert_bounds(start, end)`. Each `stock` argument is SGLang's own step; the rules
+    mutate nothing but what that step does (and, after an unevict, the node's provenance)."""
+
+    def __init__(self, tree_core: Any, config: Callable[[], Any], *, state_load_node: Callable[[], Any],
+                 insert_bounds: Callable[[int, int], torch.Tensor]) -> None:
+        self.tree_core = tree_core
+        self.config = config
+        self.state_load_node = state_load_node
+        self.insert_bounds = insert_bounds
 
     @property
     def host_states(self) -> bool:
         """Whether states go to the host tier (HiCache on, the server keeps checkpoints)."""
-        return bool(self.tree_core.enable_hicache) and self.config.keep_checkpoints
+        return bool(self.tree_core.enable_hicache) and self.config().keep_checkpoints
 
-    def needs_incremental_backup(self, node: Any) -> bool:
-        return self.host_states and super().needs_incremental_backup(node)
+    def needs_incremental_backup(self, node: Any, stock: Callable[[Any], bool]) -> bool:
+        return self.host_states and stock(node)
 
-    def build_hicache_transfers(self, node: Any, phase: Any, **kwargs: Any) -> Any:
+    def build_hicache_transfers(self, node: Any, phase: Any, stock: Callable[..., Any], **kwargs: Any) -> Any:
+        """No state transfer without host states, none to storage or from a prefetch, and a load-back
+        copies only the plan's own checkpoint (`state_load_node`)."""
         if not self.host_states or phase in (CacheTransferPhase.BACKUP_STORAGE, CacheTransferPhase.PREFETCH):
             return None
-        if phase == CacheTransferPhase.LOAD_BACK and node.id != self.cache.state_load_node:
+        if phase == CacheTransferPhase.LOAD_BACK and node.id != self.state_load_node():
             return None
-        return super().build_hicache_transfers(node, phase, **kwargs)
+        return stock(node, phase, **kwargs)
 
-    def prepare_load_back(self, node_id: Any, *, req: Any = None) -> PrepareLoadBackResult:
-        if not self.host_states or node_id != self.cache.state_load_node:
+    def prepare_load_back(self, node_id: Any, req: Any, stock: Callable[..., PrepareLoadBackResult]) -> PrepareLoadBackResult:
+        if not self.host_states or node_id != self.state_load_node():
             return PrepareLoadBackResult()
-        return super().prepare_load_back(node_id, req=req)
+        return stock(node_id, req=req)
 
-    def prepare_prefetch(self, node_id: Any, *, prefetch_tokens: int = 0) -> PreparePrefetchResult:
+    @staticmethod
+    def prepare_prefetch() -> PreparePrefetchResult:
+        """The storage tier holds no states: a prefetch brings none."""
         return PreparePrefetchResult()
 
-    def drive_host_eviction(self, num_tokens, tracker, device_frees, host_frees, cache_actions) -> None:
+    def drive_host_eviction(self, stock: Callable[[], None]) -> None:
         if self.host_states:
-            super().drive_host_eviction(num_tokens, tracker, device_frees, host_frees, cache_actions)
+            stock()
 
-    def recover_after_unevict(self, node, prefix_len, total_prefix_len, params, result, cache_actions) -> None:
+    def after_unevict(self, node: Any, total_prefix_len: int) -> None:
         """An insert gave a host-only node the request's fresh device KV (SGLang's unevict), and
         its host copy stays the node's too: the node's bounds become the larger of the two
         per token. May mutate: the node's provenance."""
-        super().recover_after_unevict(node, prefix_len, total_prefix_len, params, result, cache_actions)
-        ours = self.cache.insert_bounds(total_prefix_len, total_prefix_len + len(node.key))
+        ours = self.insert_bounds(total_prefix_len, total_prefix_len + len(node.key))
         prov = provenance_of(node) or NodeProvenance()
         kv = ours if prov.kv is None else torch.maximum(prov.kv, ours)
         set_provenance(node, NodeProvenance(kv, prov.state))
@@ -75,13 +92,18 @@ class HostTierComponent:
 
 class HostTierCache:
     """The cache's host and storage tiers: plans that read the host tier, their load-back, the
-    storage prefetch probe and the storage write."""
+    storage prefetch probe and the storage write. Needs the SGLang cache (its tree core, storage
+    flag, root handles) and the match planner (path walks and splits, the start state's touch).
+    May mutate: `state_load_node`, request records, the tree (a split at a plan's load end)."""
 
-    #: HiCache: the node whose host state the running load-back may copy into its request (the
-    #: checkpoint its plan starts from), else None: no host state is copied
-    state_load_node: Any = None
+    def __init__(self, cache: Any, planner: MatchPlanner) -> None:
+        self.cache = cache
+        self.planner = planner
+        #: HiCache: the node whose host state the running load-back may copy into its request (the
+        #: checkpoint its plan starts from), else None: no host state is copied
+        self.state_load_node: Any = None
 
-    def _is_storage_probe(self, params: MatchPrefixParams) -> bool:
+    def is_storage_probe(self, params: MatchPrefixParams) -> bool:
         """SGLang's storage (L3) prefetch matches the request without a state copy
         (`Scheduler._prefetch_kvcache`: cow_mamba False) to learn where the tree's KV ends on
         device + host: it fetches the pages after that and inserts them under the matched node.
@@ -89,26 +111,24 @@ class HostTierCache:
         short of the node it returns, so the fetch would look its pages up under keys chained from
         the wrong depth and find nothing (and graft anything found at the wrong depth). The
         request's record is left alone: its plan is made by the admission's match."""
-        return self.enable_storage and not params.cow_mamba
+        return self.cache.enable_storage and not params.cow_mamba
 
-    def write_backup_storage(self, node_id: Any) -> None:
+    def stores(self, node_id: Any) -> bool:
         """The storage tier (L3) gets strictly exact KV only. Its pages carry no provenance, so the
         server that prefetches them (this one after a restart, or another one) reads them as exact
         computations. A node whose path holds KV of bound > 0 stays on the device and host tiers
         (so do its descendants: a storage hit is a contiguous prefix from the root)."""
-        prov = self.path_provenance(node_id)
-        if prov.first_inexact < prov.matched:
-            return
-        super().write_backup_storage(node_id)
+        prov = self.planner.path_provenance(node_id)
+        return prov.first_inexact >= prov.matched
 
-    def _state_on_host(self, planned: Planned) -> bool:
+    def state_on_host(self, planned: Planned) -> bool:
         """Whether the plan starts from a checkpoint whose state is on the host only."""
         if not planned.plan.from_checkpoint:
             return False
-        node = self.tree_core.node_by_id(planned.start_state.node_id)
+        node = self.cache.tree_core.node_by_id(planned.start_state.node_id)
         return node.component_data[ComponentType.MAMBA].value is None
 
-    def _apply_host_plan(self, req: Any, record: TailReplayRequest, result: MatchResult,
+    def apply_host_plan(self, req: Any, record: TailReplayRequest, result: MatchResult,
                          planned: Planned) -> MatchResult:
         """A plan that reads the host tier: its prefix reaches past the device hit into host KV,
         or it starts from a checkpoint whose state is on the host only. SGLang's load-back (at
@@ -118,17 +138,17 @@ class HostTierCache:
         to the device prefix; the tail's KV slots are read after the load."""
         plan, start_state, prov, last_node, path = planned
         config = record.config
-        self._touch_start_state(planned)
+        self.planner.touch_start_state(planned)
         load_end = plan.matched_tokens if plan.reuses_tail_kv else plan.prefix_len
-        target = self._node_at_depth(path, load_end)
+        target = self.planner.node_at_depth(path, load_end)
         device_len, device_node = result.device_prefix_len, result.last_device_node
         if load_end <= device_len:
             # only the state is on the host (its KV is on the device): SGLang counts the checkpoint
             # node's own KV as loaded, so that a load-back that loads nothing is seen (the count
             # falls short of the promise) and the request is admitted again as a miss
-            checkpoint = self.tree_core.node_by_id(target)
+            checkpoint = self.cache.tree_core.node_by_id(target)
             device_len, device_node = plan.prefix_len - len(checkpoint.key), checkpoint.parent.id
-        state_node = start_state.node_id if self._state_on_host(planned) else None
+        state_node = start_state.node_id if self.state_on_host(planned) else None
         record.set_plan(plan, *plan_carry(plan, start_state, prov, config.kv_mode))
         record.kv_slots = None
         own_tail.begin(record, plan, config.kv_mode)
@@ -138,7 +158,7 @@ class HostTierCache:
                                host_hit_length=plan.prefix_len - device_len,
                                mamba_host_hit_length=1 if state_node is not None else 0)
 
-    def init_load_back(self, params: Any) -> Any:
+    def init_load_back(self, params: Any, stock: Callable[[Any], Any]) -> Any:
         """SGLang's load-back of host-tier KV at admission; for a host plan, the count it reports is
         the plan's prefix growth (SGLang adds it to the request's prefix), and the tail's KV slots
         are read off the loaded path. SGLang loads all of it or nothing: if nothing was loaded (the
@@ -148,21 +168,22 @@ class HostTierCache:
         record = record_of(req) if req is not None else None
         host = record.host_load if record is not None else None
         if host is None:
-            return super().init_load_back(params)
+            return stock(params)
         record.host_load = None
         self.state_load_node = host.state_node
         try:
-            loaded = super().init_load_back(params)
+            loaded = stock(params)
         finally:
             self.state_load_node = None
         if loaded is None:
             return None
         count, node = loaded
+        core = self.cache.tree_core
         state_loaded = host.state_node is None or \
-            self.tree_core.node_by_id(host.state_node).component_data[ComponentType.MAMBA].value is not None
+            core.node_by_id(host.state_node).component_data[ComponentType.MAMBA].value is not None
         if count == host.load_end - host.device_len and state_loaded:
-            path = MatchedPath.walk(self.tree_core, self.tree_core.node_by_id(node))   # the loaded path
-            record.kv_slots = self._tail_kv_slots(record.plan, record.config, path)
+            path = MatchedPath.walk(core, core.node_by_id(node))   # the loaded path
+            record.kv_slots = tail_kv_slots(record.plan, record.config.kv_mode, path)
             if host.state_node is not None:   # the request's slot holds the checkpoint's state now
                 req.kv.mamba_cow_src_index, req.kv.mamba_needs_clear = None, False
             return host.prefix_len - host.device_len, node
@@ -173,4 +194,4 @@ class HostTierCache:
         req.prefix_len = 0
         if req.kv.holds_mamba:
             req.kv.mamba_cow_src_index, req.kv.mamba_needs_clear = None, True
-        return 0, self.root_node_handle(req.extra_key)
+        return 0, self.cache.root_node_handle(req.extra_key)

@@ -6,7 +6,7 @@ match, and the Mamba component's provenance rules on insert, node split and inse
   inserting request's generated answer begins in the node's tokens.
 - `MatchedPath`: the nodes of a matched path, root first, walked once per match (the branch-point
   track, the planner, the tail's KV slots and the repair rules all read it).
-- `ProvenanceOnInsert` (a mixin of `TailReplayMambaComponent`): new leaves and stored states get
+- `ProvenanceWriter` (a part of `TailReplayMambaComponent`): new leaves and stored states get
   the inserting request's bounds (`insert_bounds`), a split keeps each half's own, an overlap lets
   fresher KV of a smaller bound replace an approximate node's.
 """
@@ -148,37 +148,53 @@ class MatchedPath:
         return torch.cat(chunks)[start - first:end - first].clone()
 
 
-class ProvenanceOnInsert:
-    """The Mamba component's provenance rules on insert, node split and insert overlap (mixed
-    into `TailReplayMambaComponent`: `self.cache` is a `TailReplayRadixCache`)."""
+class ProvenanceWriter:
+    """The Mamba component's provenance rules on insert, node split and insert overlap (a part of
+    `TailReplayMambaComponent`). Needs the tree core, the component type, the cache's
+    insert-provenance accessors (`inserting_prompt_len()`, `insert_bounds(start, end)`,
+    `insert_state_bound(depth)`, `inserting_record()`: what the running insert brings) and the
+    component's `free_state(value)` (SGLang's free of a state slot)."""
 
-    def commit_insert_component_data(self, node, is_new_leaf, params, result, cache_actions):
+    def __init__(self, tree_core: Any, component_type: Any, *, inserting_prompt_len: Callable[[], int | None],
+                 insert_bounds: Callable[[int, int], torch.Tensor], insert_state_bound: Callable[[int], float],
+                 inserting_record: Callable[[], Any], free_state: Callable[[Any], None]) -> None:
+        self.tree_core = tree_core
+        self.component_type = component_type
+        self.inserting_prompt_len = inserting_prompt_len
+        self.insert_bounds = insert_bounds
+        self.insert_state_bound = insert_state_bound
+        self.inserting_record = inserting_record
+        self.free_state = free_state
+
+    def on_commit(self, node, is_new_leaf, params, result, cache_actions, *, stock: Callable[..., None]) -> None:
         """The new leaf's KV gets the inserting request's bounds at its positions, and a mark where
         the request's generated answer begins in it (`answer_from`); a state the tree takes gets
         the request's bound at its depth. An existing state of a larger bound is replaced by the
-        request's (unless locked). May mutate: the node's provenance, answer mark and state, its
-        shared-state repair mark (cleared when it takes a state)."""
+        request's (unless locked); otherwise `stock(node, is_new_leaf, params, result,
+        cache_actions)` (SGLang's commit) stores it. May mutate: the node's provenance, answer mark
+        and state, its shared-state repair mark (cleared when it takes a state), its place in the
+        state LRU, and whatever `stock` mutates."""
         depth = result.prefix_len + (len(node.key) if is_new_leaf else 0)
         if is_new_leaf:
-            prompt_len = self.cache.inserting_prompt_len()
+            prompt_len = self.inserting_prompt_len()
             if prompt_len is not None and prompt_len < depth:
                 setattr(node, ANSWER_FROM_ATTR, max(prompt_len - result.prefix_len, 0))
-            kv = self.cache.insert_bounds(result.prefix_len, depth)
+            kv = self.insert_bounds(result.prefix_len, depth)
             set_provenance(node, NodeProvenance(kv, 0.0))
             record_stored_bound("kv", float(kv.max()) if kv.numel() else 0.0)
         if params.mamba_value is None:
             return
-        state_bound = self.cache.insert_state_bound(depth)
+        state_bound = self.insert_state_bound(depth)
         cd = node.component_data[self.component_type]
         old = provenance_of(node)
         if not is_new_leaf and cd.value is not None and old is not None and old.state > state_bound \
                 and cd.lock_ref == 0 and cd.host_value is None:
-            self._free_mamba_value(cd.value)   # the tree's state was worse: take the request's
+            self.free_state(cd.value)   # the tree's state was worse: take the request's
             cd.value = params.mamba_value
             self.tree_core.lru_lists[self.component_type].reset_node_mru(node)
         else:
             had_state = cd.value is not None
-            super().commit_insert_component_data(node, is_new_leaf, params, result, cache_actions)
+            stock(node, is_new_leaf, params, result, cache_actions)
             if had_state:
                 return   # the tree keeps its own state (and its bound)
             if cd.host_value is not None and old is not None:
@@ -189,10 +205,10 @@ class ProvenanceOnInsert:
         set_provenance(node, NodeProvenance(prov.kv, state_bound))
         record_stored_bound("state", state_bound)
 
-    def redistribute_on_node_split(self, new_parent, child):
-        """Each half keeps its own tokens' bounds and answer mark; the state (at the child's end)
-        its bound."""
-        super().redistribute_on_node_split(new_parent, child)
+    @staticmethod
+    def on_split(new_parent: Any, child: Any) -> None:
+        """After SGLang's split: each half keeps its own tokens' bounds and answer mark; the state
+        (at the child's end) its bound. May mutate: both nodes' provenance and answer marks."""
         prov = provenance_of(child)
         if prov is not None:
             head, rest = prov.split(len(new_parent.key))
@@ -206,21 +222,20 @@ class ProvenanceOnInsert:
             else:
                 setattr(child, ANSWER_FROM_ATTR, mark - len(new_parent.key))
 
-    def update_component_on_insert_overlap(self, node, prefix_len, total_prefix_len, value_slice, params,
-                                           result, cache_actions):
-        """Fresh KV of a smaller bound replaces an approximate node's: the node takes the request's
-        slots and its own are freed, where no request holds the node (else the request reads the
-        node's KV from now on, and carries its taint). Only over a node wholly past what the
-        request already shares with the tree. May mutate: the node's KV value and provenance, the
-        inserting request's floor."""
-        consumed = super().update_component_on_insert_overlap(
-            node, prefix_len, total_prefix_len, value_slice, params, result, cache_actions)
+    def on_overlap(self, node, prefix_len, total_prefix_len, value_slice, params, cache_actions, consumed: int) -> int:
+        """After SGLang's overlap step (which reported `consumed` duplicate slots): fresh KV of a
+        smaller bound replaces an approximate node's: the node takes the request's slots and its
+        own are freed, where no request holds the node (else the request reads the node's KV from
+        now on, and carries its taint). Only over a node wholly past what the request already
+        shares with the tree. Returns the duplicate count SGLang frees. May mutate: the node's KV
+        value and provenance, `cache_actions` (the node's old slots freed), the inserting request's
+        floor."""
         prov = provenance_of(node)
-        record = self.cache.inserting_record()
+        record = self.inserting_record()
         if prov is None or prov.kv is None or params.prev_prefix_len > total_prefix_len \
                 or total_prefix_len < computed_from(record):
             return consumed
-        ours = self.cache.insert_bounds(total_prefix_len, total_prefix_len + prefix_len)
+        ours = self.insert_bounds(total_prefix_len, total_prefix_len + prefix_len)
         if not bool((ours < prov.kv[:prefix_len]).any()) or float(ours.max()) > prov.kv_max():
             return consumed
         full = node.component_data[ComponentType.FULL]

@@ -9,7 +9,7 @@ from benchmarks.sae_pressure_profile import SAE_ALL, TR_ALL, profile
 LOOP = "Scheduler.event_loop_normal (scheduler.py:1)"
 MATCH = "Scheduler.get_new_batch_prefill (scheduler.py:2);UnifiedRadixCache.match_prefix (unified_radix_cache.py:3)"
 TREE = "UnifiedTreeCore.match_prefix (unified_cache/unified_tree_core.py:4)"
-PLAN = "TailReplayRadixCache._apply_replay_plan (sglang_ext/tail_replay/cache.py:5)"
+PLAN = "MatchPlanner.apply (sglang_ext/tail_replay/matching.py:5)"
 WRAPPED_FORWARD = ("ModelRunner.forward (model_runner.py:6);"
                    "_wrap_forward.<locals>.forward (patches/tail_replay/gdn_bound.py:7);GDN.forward (gdn.py:8)")
 
@@ -21,7 +21,7 @@ def test_tail_replay_code_the_tree_core_and_the_steps_before_the_first_token(tmp
         f"{LOOP};{MATCH};{PLAN} 3",                  # Tail-Replay's own planning
         f"{LOOP};{WRAPPED_FORWARD} 50",              # a seam's wrapper around the forward: not its code
         f"{LOOP};Scheduler.process_batch_result_prefill (scheduler.py:9);"
-        "KvPastTheState._insert_kv_past_the_state (sglang_ext/tail_replay/kv_past_state.py:10) 2",
+        "KvPastTheState.insert (sglang_ext/tail_replay/kv_past_state.py:10) 2",
     ]) + "\n")
     got = profile(raw)
     groups = got["groups"]

@@ -19,8 +19,10 @@ from sglang_ext.patches.linearkv.admission import _wrap_add_one_req, _wrap_init
 TRACKING = 2   # extra_buffer: two ping-pong slots per request
 
 
-class Pool(ChunkAssembly):
-    """A state pool: `free` slots, tree states (chunk nodes) evictable unless locked."""
+class Pool:
+    """A LinearKV cache as the admission part sees it: a state pool of `free` slots, tree states
+    (chunk nodes) evictable unless locked; its admission hooks delegate to the part, as
+    `LinearKVRadixCache`'s do."""
 
     enable_mamba_extra_buffer = True
 
@@ -28,6 +30,17 @@ class Pool(ChunkAssembly):
         self.free, self.states, self.locked = free, set(states), Counter()
         allocator = SimpleNamespace(schedulable_available_size=lambda: self.free)
         self.req_to_token_pool = SimpleNamespace(mamba_allocator=allocator, mamba_initial_tracking_slots=TRACKING)
+        self.assembly = ChunkAssembly(self)
+
+    @property
+    def admission(self):
+        return self.assembly.admission
+
+    def open_admission_round(self, adder):
+        return self.assembly.open_admission_round(adder)
+
+    def round_slots_of(self, req) -> int:
+        return self.assembly.round_slots_of(req)
 
     def mamba_evictable_size(self) -> int:
         return sum(1 for s in self.states if not self.locked[s])
@@ -54,7 +67,7 @@ class Adder:
         if self.rem_mamba_slots is not None and not req.kv.holds_mamba:
             self.rem_mamba_slots -= 1
         if req.chunks:
-            got = self.tree_cache._lock_sources(req, req.chunks, list(range(len(req.chunks))))
+            got = self.tree_cache.assembly.lock_sources(req, req.chunks, list(range(len(req.chunks))))
             if got is not None:
                 if self.tree_cache.admission is not None:
                     self.tree_cache.admission.debit(got[1])

@@ -308,11 +308,11 @@ def test_a_host_state_is_copied_only_into_a_plan_that_starts_from_it(host):
 
     assert h.cache.state_load_node is None
     assert component.build_hicache_transfers(node, CacheTransferPhase.LOAD_BACK, mamba_pool_idx=slot) is None
-    h.cache.state_load_node = node.id
+    h.cache.host_tier.state_load_node = node.id
     try:
         assert component.build_hicache_transfers(node, CacheTransferPhase.LOAD_BACK, mamba_pool_idx=slot)
     finally:
-        h.cache.state_load_node = None
+        h.cache.host_tier.state_load_node = None
 
 
 # ---- the storage tier (L3): SGLang's prefetch probe and its backups
@@ -328,7 +328,7 @@ def test_the_storage_probe_sees_the_tree_match_and_makes_no_plan(host):
     req = h.request(A + seq(5000, 10))
     req.init_next_round_input(h.cache, cow_mamba=False)        # Scheduler._prefetch_kvcache
     assert req.prefix_len + req.host_hit_length == 40
-    assert sum(len(n.key) for n in h.cache._path(req.last_host_node)) == 40   # the node it ends at
+    assert sum(len(n.key) for n in h.cache.planner.walk(req.last_host_node).nodes) == 40   # the node it ends at
     assert record_of(req) is None or plan_of(req) is None      # no plan yet
     req.init_next_round_input(h.cache)                         # the admission's match
     assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, 40, 36, 36)

@@ -690,7 +690,7 @@ def test_one_record_per_request_with_its_config_resolved_once():
     """Tail-Replay keeps its per-request state in one record under one attribute of `Req`, and
     resolves the request's overrides once, at its match, not again at each caching step."""
     from sglang_ext.tail_replay import RECORD_ATTR, TailReplayRequest
-    from sglang_ext.tail_replay import cache as cache_module
+    from sglang_ext.tail_replay import matching as cache_module
 
     h = Harness(1)
     h.run(A)

@@ -171,7 +171,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         config, plan = request_config(self.config, req), plan_of(req)
         reads = computed_from(record_of(req))
         depth = 0
-        for node in self.cache._path(req.last_node):
+        for node in self.cache.planner.walk(req.last_node).nodes:
             prov = provenance_of(node)
             if config.strict and prov is not None and prov.kv is not None:
                 assert float(prov.kv[:max(reads - depth, 0)].max(initial=0.0)) == 0.0, \

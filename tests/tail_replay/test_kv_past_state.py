@@ -1,5 +1,5 @@
 """When a finished request's KV past its last tracked state is inserted under the extra buffer
-(`TailReplayRadixCache._keeps_kv_past_the_state`); the insert itself runs in the real server
+(`kv_past_state.KvPastTheState.keeps`); the insert itself runs in the real server
 (tests/e2e/test_tail_replay_extra_buffer.py)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-from sglang_ext.tail_replay.cache import TailReplayRadixCache
 from sglang_ext.tail_replay.config import TailReplayConfig
+from sglang_ext.tail_replay.kv_past_state import KvPastTheState
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest
 
@@ -38,7 +38,7 @@ def _req(finished=True, protected=192, holds_kv=True, skip=False, record=None):
 
 
 def keeps(cache, req, up_to=200) -> bool:
-    return TailReplayRadixCache._keeps_kv_past_the_state(cache, req, up_to)
+    return KvPastTheState(cache, claims=None).keeps(req, up_to)
 
 
 def test_a_finished_request_under_the_extra_buffer_inserts_the_kv_past_its_state():

@@ -26,20 +26,28 @@ from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest  # noq
 from sglang_ext.tail_replay.sessions import StreamingTurns  # noqa: E402
 
 
-class _Stock:
-    """What the mixin calls of SGLang's UnifiedRadixCache: the session keeps a finished turn."""
+class _Cache:
+    """What the part reads of SGLang's UnifiedRadixCache (its session) and what the adapter hands
+    it (SGLang's own `claim_kv_row`: the session keeps a finished turn), wired as
+    `TailReplayRadixCache` wires them."""
 
-    def claim_kv_row(self, req):
-        return not req.aborted
-
-    def release_session(self, session_id):
-        self.released.append(session_id)
-
-
-class _Cache(StreamingTurns, _Stock):
     def __init__(self):
         self.released = []
         self.session = SimpleNamespace(borrowed_slot=lambda req: object())
+        self.turns = StreamingTurns(self, lambda req: getattr(req, RECORD_ATTR))
+
+    def claim_kv_row(self, req):
+        return self.turns.claim_kv_row(req, lambda r: not r.aborted)
+
+    def release_session(self, session_id):
+        self.turns.release_session(session_id)
+        self.released.append(session_id)
+
+    def session_provenance(self):
+        return self.turns.table
+
+    def session_history(self, req):
+        return self.turns.history(req)
 
 
 def _turn(session_id, prompt, output, plan, carry=None, floor=0.0, aborted=False):

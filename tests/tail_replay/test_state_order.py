@@ -43,6 +43,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
+from sglang_ext.hooks import add_state_order  # noqa: E402
 from sglang_ext.tail_replay import provenance  # noqa: E402
 from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache, provenance_of  # noqa: E402
 from sglang_ext.tail_replay.config import BACKGROUND_PARAM_KEY, REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
@@ -50,7 +51,14 @@ from sglang_ext.tail_replay.planner import HitKind  # noqa: E402
 from sglang_ext.tail_replay.repair import repair_overrides  # noqa: E402
 from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
 from sglang_ext.tail_replay.request_fields import background_mark  # noqa: E402
-from sglang_ext.tail_replay.state_order import StockStateShadow, resolved_order, stock_shortfall  # noqa: E402
+from sglang_ext.tail_replay.state_order import (  # noqa: E402
+    GoesFirstOrder,
+    StockStateShadow,
+    is_approximate,
+    register_orders,
+    resolved_order,
+    stock_shortfall,
+)
 from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
@@ -196,8 +204,10 @@ def test_no_order_gives_back_stocks_exact_state_where_tail_replay_replayed_appro
     assert plan_of(ours).kind is HitKind.APPROXIMATE_CHECKPOINT and ours.prefix_len == len(turn)
 
 
-def _exact_goes_first(component, node) -> bool:
-    return not component._is_approximate(node)
+def _exact_first(site):
+    """A wrong order: exact states before approximate ones."""
+    return GoesFirstOrder(site.tree_core, site.component_type,
+                          lambda node: not is_approximate(node, site.config().threshold))
 
 
 def test_the_model_catches_an_order_that_puts_exact_states_first():
@@ -205,9 +215,11 @@ def test_the_model_catches_an_order_that_puts_exact_states_first():
     ones drops exact states stock still holds, on a short script."""
     script = [(0, 40, 4, 0, 1), (0, 20, 8, 0, 2), (1, 40, 4, 0, 3), (2, 40, 4, 0, 4), (1, 20, 8, 0, 5),
               (2, 20, 8, 0, 6)]
-    orders = {**TailReplayMambaComponent._goes_first, "approximate_first": _exact_goes_first}
-    with mock.patch.object(TailReplayMambaComponent, "_goes_first", orders):
+    add_state_order("approximate_first", _exact_first)   # the registered order, replaced
+    try:
         assert served_pairs("approximate_first", script, 4) != []
+    finally:
+        register_orders()
     assert served_pairs("auto", script, 4) == []
 
 
@@ -319,7 +331,7 @@ def _shadow_depths(tr: Server) -> list[int]:
             total, node = total + len(node.key), node.parent
         return total
 
-    return sorted(depth(node) for node in tr.cache.components[MAMBA].stock_shadow.in_order())
+    return sorted(depth(node) for node in tr.cache.components[MAMBA].states.config_order.shadow.in_order())
 
 
 def test_a_shared_state_repair_holds_stocks_branch_state_in_the_shadow():
@@ -356,6 +368,6 @@ def test_a_flushed_tree_forgets_the_stock_shadow_and_the_sessions_provenance():
     tr.pool.clear()
     tr.alloc.clear()
     assert tr.cache.session_provenance() == {}
-    assert tr.cache.components[MAMBA].stock_shadow.in_order() == []
+    assert tr.cache.components[MAMBA].states.config_order.shadow.in_order() == []
     tr.run(STEMS[0])
     assert _shadow_depths(tr) == [40]
