@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--document", type=int, default=512, help="D: the shared document's tokens")
+    ap.add_argument("--document", type=int, default=500,
+                    help="D: the shared document's tokens (off the extra buffer's grid: no state lands at D)")
     ap.add_argument("--q", type=int, default=32, help="new tokens after the document")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", help="a Qwen3-Next checkpoint folder (default: build the tiny fixture)")

@@ -53,6 +53,8 @@ Tail = tuple[torch.Tensor, torch.Tensor, Any]
 #: tail rows/slots (and bound segments) of recent extend batches, keyed by id() of the batch's `extend_seq_lens_cpu`
 #: list and `extend_seq_lens` tensor (see the module docstring); each entry holds its key object.
 _TAIL_BY_BATCH: OrderedDict[int, tuple] = OrderedDict()
+#: how many entries of `_TAIL_BY_BATCH` hold bound segments or carries (`any_bound_rows`)
+_bounded_entries = 0
 _MAX_BATCHES_IN_FLIGHT = 8
 
 TARGET = "srt/model_executor/forward_batch_info.py: ForwardBatch.init_new"
@@ -151,12 +153,26 @@ def _batch_keys(forward_batch: Any) -> list:
     return [key for key in keys if key is not None]
 
 
+def _bounds_rows(entry: tuple | None) -> int:
+    return int(entry is not None and (entry[4] is not None or entry[5] is not None))
+
+
 def _remember(keys: list, rows: torch.Tensor | None, slots: torch.Tensor | None, kv_pool: Any,
               segments: BoundSegments | None = None, carries: CarrySegments | None = None) -> None:
+    global _bounded_entries
     for key in keys:
-        _TAIL_BY_BATCH[id(key)] = (key, rows, slots, kv_pool, segments, carries)
+        entry = (key, rows, slots, kv_pool, segments, carries)
+        _bounded_entries += _bounds_rows(entry) - _bounds_rows(_TAIL_BY_BATCH.get(id(key)))
+        _TAIL_BY_BATCH[id(key)] = entry
     while len(_TAIL_BY_BATCH) > 2 * _MAX_BATCHES_IN_FLIGHT:
-        _TAIL_BY_BATCH.popitem(last=False)
+        _bounded_entries -= _bounds_rows(_TAIL_BY_BATCH.popitem(last=False)[1])
+
+
+def any_bound_rows() -> bool:
+    """Whether some remembered batch has rows whose bound the gate hooks sum (an approximate
+    replay's tail, or rows computed after an approximate start). False: every batch in flight is
+    misses and exact hits, and the linear bound seam (`linear_bound.py`) has nothing to do."""
+    return _bounded_entries > 0
 
 
 def _entry_of(forward_batch: Any) -> tuple | None:

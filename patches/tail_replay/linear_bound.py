@@ -16,7 +16,8 @@ carried rows' provenance bounds (`CarrySegments.accumulate`: one gather, one cum
 Not covered: extends inside a prefill CUDA graph where a seam says `outside_prefill_graph` (GDN:
 the forward is only captured there); layers a kind's `gates` does not recognise (KDA through
 GDN's class). Such a request's bound is reported as None, since its sums then miss tokens
-(`state_bound.summarize`). The wrappers read the registry on every call: a kind registered later
+(`state_bound.summarize`). While no batch in flight has a row to bound (`batch.any_bound_rows`:
+misses and exact hits only) a wrapper calls straight through. The wrappers read the registry on every call: a kind registered later
 at an already wrapped target is served, an unregistered one is passed through.
 """
 
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_ext.patches.tail_replay.batch import bound_segments_of, carry_segments_of
+from sglang_ext.patches.tail_replay.batch import any_bound_rows, bound_segments_of, carry_segments_of
 from sglang_ext.tail_replay import (
     BoundSegments,
     CarrySegments,
@@ -128,6 +129,8 @@ def _hook(target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> context
 def _wrap(original: Callable, target: str) -> Callable:
     @functools.wraps(original)
     def seam(*args: Any, **kwargs: Any) -> Any:
+        if not any_bound_rows():   # misses and exact hits only: no scope to open, nothing to sum
+            return original(*args, **kwargs)
         token = _hook(target, args, kwargs)
         try:
             return original(*args, **kwargs)

@@ -217,3 +217,29 @@ def test_a_registered_third_kind_is_bounded_with_no_edit_elsewhere(toy_module):
     assert not scalar_decays_only(torch.nn.Sequential(*mixers))   # no registered kind: no linear layer
     mixers[0](fb, torch.ones(2), gates)                            # the seam passes an unregistered kind through
     assert decays[0].tokens == {4: 4, 9: 4}
+
+
+def test_the_seam_calls_straight_through_while_no_batch_has_a_row_to_bound(toy_module, monkeypatch):
+    """Misses and exact hits only (no approximate tail, no carried row in any batch in flight):
+    the wrapper neither opens a scope nor reads the registry; once a batch with a tail is
+    remembered it does, and after that batch is evicted from the memo it no longer does."""
+    register_linear_kind(_toy_kind(toy_module))
+    linear_bound.apply()
+    monkeypatch.setattr(tail_batch, "_TAIL_BY_BATCH", type(tail_batch._TAIL_BY_BATCH)())
+    monkeypatch.setattr(tail_batch, "_bounded_entries", 0)
+    for lens in ([4], [6], [3]):
+        _extend_batch(lens, None)
+    assert not tail_batch.any_bound_rows()
+    hooked = []
+    monkeypatch.setattr(linear_bound, "_hook", lambda target, args, kwargs: hooked.append(target))
+    mixer = ToyMixer(4, 3)
+    mixer(_extend_batch([4], None), torch.ones(1), torch.randn(4, 3))
+    assert hooked == []
+    decay = TailDecay()
+    _extend_batch([5], bound_segments([(decay, 1, 4)], prefix_lens=[0], extend_lens=[5]))
+    assert tail_batch.any_bound_rows()
+    mixer(_extend_batch([4], None), torch.ones(1), torch.randn(4, 3))
+    assert len(hooked) == 1
+    for n in range(2 * tail_batch._MAX_BATCHES_IN_FLIGHT + 1):   # the tail's batch leaves the memo
+        _extend_batch([7 + n], None)
+    assert not tail_batch.any_bound_rows() and tail_batch._bounded_entries == 0
