@@ -25,6 +25,7 @@ Tail-Replay's and LinearKV's), `shared/ipc_json` (request fields and
 those summaries across SGLang's IPC in both modes; after the audit's patch, so its decoding runs
 first), `tail_replay/audit` (the live quality audit: the first output's
 logits of audited requests, their exact reference runs sent by the tokenizer process),
+`tail_replay/repair` (exact and shared-state repair runs, sent by the tokenizer process),
 `tail_replay/session` (a finished streaming-session turn's own recomputed tail is freed when its
 row goes to the session), `tail_replay/disagg` (PD disaggregation: the prefill server's answer
 label carried to the decode server in one more metadata buffer), `tail_replay/pressure` (`exact_unless_pressed`: the first rank stamps each
@@ -77,13 +78,15 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu.deterministic",    # --enable-deterministic-inference: torch_native admitted, row-by-row mm
 )
 #: Applied in both modes (the extension's own seams).
-EXT_PATCHES: tuple[str, ...] = ("tail_replay.batch", "tail_replay.attention", "tail_replay.prefill_graph",
-                                "tail_replay.linear_bound", "tail_replay.meta",
-                                "tail_replay.audit", "shared.ipc_json", "tail_replay.request", "tail_replay.pressure", "tail_replay.session",
-                                "shared.session_tenancy", "tail_replay.sizing", "tail_replay.pages", "tail_replay.host_pools",
-                                "shared.request_token_ids", "linearkv.request", "linearkv.prepass", "linearkv.admission",
-                                "sae.policy", "sae.tree_core", "sae.cache_events", "sae.full_eviction", "sae.state_eviction", "sae.request", "sae.chat",
-                                "shared.mamba_conv_dtype", "shared.seeded_sampling", "shared.session_storage_prefetch", "tail_replay.disagg")
+EXT_PATCHES: tuple[str, ...] = (
+    "tail_replay.batch", "tail_replay.attention", "tail_replay.prefill_graph", "tail_replay.linear_bound",
+    "tail_replay.meta", "tail_replay.audit", "tail_replay.repair", "shared.ipc_json", "tail_replay.request",
+    "tail_replay.pressure", "tail_replay.session", "shared.session_tenancy", "tail_replay.sizing",
+    "tail_replay.pages", "tail_replay.host_pools", "shared.request_token_ids", "linearkv.request",
+    "linearkv.prepass", "linearkv.admission", "sae.policy", "sae.tree_core", "sae.cache_events",
+    "sae.full_eviction", "sae.state_eviction", "sae.request", "sae.chat", "shared.mamba_conv_dtype",
+    "shared.seeded_sampling", "shared.session_storage_prefetch", "tail_replay.disagg",
+)
 
 _applied: list[str] = []
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 from pathlib import Path
 
@@ -141,3 +142,62 @@ def test_no_class_takes_two_or_more_project_bases():
             if len(bases) >= 2:
                 offenders[f"{path.relative_to(ROOT).as_posix()}:{name}"] = bases
     assert offenders == {}
+
+
+WINGS = ("tail_replay", "eviction", "linearkv")
+
+
+@functools.cache
+def _privates_defined(folder: Path) -> frozenset[str]:
+    """Names with one leading underscore a wing (a folder, or one module) defines (functions,
+    classes, module globals and attributes it assigns on `self` or elsewhere)."""
+    names: set[str] = set()
+    for path in ([folder] if folder.suffix == ".py" else folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        names.add(target.id)
+                    elif isinstance(target, ast.Attribute):
+                        names.add(target.attr)
+    return frozenset(n for n in names if n.startswith("_") and not n.startswith("__"))
+
+
+def _privates_of_sglang() -> set[str]:
+    """Underscore names that occur in SGLang's own code (the hooks a wing overrides, e.g.
+    `_evict_device_start`, are SGLang's, not the wing's)."""
+    import re
+
+    import sglang
+
+    word = re.compile(r"(?<![\w.])_[A-Za-z]\w*|(?<=\.)_[A-Za-z]\w*")
+    return {name for path in (Path(sglang.__file__).parent / "srt").rglob("*.py")
+            for name in word.findall(path.read_text(errors="replace"))}
+
+
+def test_no_module_outside_a_wing_names_that_wings_privates():
+    """Outside a wing (the patches, the other wings, the top-level modules) no code reads or
+    imports a name the wing keeps private (one leading underscore), unless it is SGLang's own
+    (a hook the wing overrides)."""
+    sglang_names = _privates_of_sglang()
+    offenders = []
+    for wing in WINGS:
+        folder = ROOT / "sglang_ext" / wing
+        private = _privates_defined(folder) - sglang_names
+        assert private, wing
+        for path, _ in _product_modules():
+            if folder in path.parents:
+                continue
+            home = next((ROOT / "sglang_ext" / w for w in WINGS if ROOT / "sglang_ext" / w in path.parents), path)
+            theirs = private - _privates_defined(home)   # a name the module's own wing defines is its own
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                named = None
+                if isinstance(node, ast.Attribute) and node.attr in theirs:
+                    named = node.attr
+                elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"sglang_ext.{wing}"):
+                    named = next((a.name for a in node.names if a.name in theirs), None)
+                if named is not None:
+                    offenders.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: {wing}'s {named}")
+    assert offenders == []

@@ -85,7 +85,7 @@ A request's route (SGLang 0.5.23), seam by seam:
    (`divergence`), recorded (`record_audit`) and logged.
 7. repair (off unless `repair: true`; `repair.py`). `patches/tail_replay/meta.py` adds a
    finished not-exact answer's sequence (`repair_due`, `repair_sequence`) under `REPAIR_KEY`;
-   `patches/tail_replay/audit.py` removes it in the tokenizer process and sends it as an
+   `patches/tail_replay/repair.py` removes it in the tokenizer process and sends it as an
    exact background run (`repair_overrides`: `repair_of`), whose exact KV and end state replace the
    approximate ones in the tree. Shared-state repair (on unless `repair_shared: false`): at the
    match (`SharedRepairRules.note`) a request whose approximate plan creates a

@@ -55,7 +55,7 @@ turn is repaired).
 Pure: no SGLang import. The scheduler side lives in `patches/tail_replay/meta.py` (the
 sequence travels to the tokenizer process under `REPAIR_KEY` in `cached_tokens_details`, which the
 tokenizer process removes before the client sees it), the sending in
-`patches/tail_replay/audit.py`.
+`patches/tail_replay/repair.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Exact repair's pure parts (`sglang_ext.tail_replay.repair`: when a request is repaired, what is
 recomputed, the repair run's overrides and config keys) and the tokenizer side's reading of a batch
-output (`patches/tail_replay/audit.py`'s `_repairs_due`) on duck-typed objects, with
+output (`patches/tail_replay/repair.py`'s `_repairs_due`) on duck-typed objects, with
 no server (the served path: tests/e2e/test_tail_replay_server.py)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_ext.patches.tail_replay import audit as tail_replay_audit
+from sglang_ext.patches.tail_replay import repair as tail_replay_repair
 from sglang_ext.tail_replay.config import BACKGROUND_PARAM_KEY, DEFAULTS, TailReplayConfigError, config_from_dict
 from sglang_ext.tail_replay.repair import (
     REPAIR_KEY,
@@ -101,7 +102,7 @@ def test_tokenizer_side_removes_the_key_from_every_entry_and_sends_only_finished
                {"device": 0, REPAIR_KEY: [4]},                        # not finished (never sent so, but safe)
                None]
     reasons = [{"type": "length"}, {"type": "abort", "message": "client gone"}, None, {"type": "stop"}]
-    due = tail_replay_audit._repairs_due(_output(details, reasons, ["a", "b", "c", "d"]), states)
+    due = tail_replay_repair._repairs_due(_output(details, reasons, ["a", "b", "c", "d"]), states)
     assert due == [("a", [1, 2, 5], "obj-a", "answer")]
     assert all(REPAIR_KEY not in entry for entry in details if entry)
     assert details[0] == {"device": 1, "tail_replay": {"exact": False}}
@@ -109,14 +110,14 @@ def test_tokenizer_side_removes_the_key_from_every_entry_and_sends_only_finished
 
 def test_tokenizer_side_skips_a_request_whose_state_is_gone():
     details = [{REPAIR_KEY: [1, 2]}]
-    assert tail_replay_audit._repairs_due(_output(details, [{"type": "stop"}], ["gone"]), {}) == []
+    assert tail_replay_repair._repairs_due(_output(details, [{"type": "stop"}], ["gone"]), {}) == []
     assert details == [{}]
 
 
 def test_tokenizer_side_sends_a_shared_state_repair_beside_an_answers():
     states = {"a": SimpleNamespace(obj="obj-a"), "b": SimpleNamespace(obj="obj-b")}
     details = [{"device": 1, SHARED_REPAIR_KEY: [1, 2], REPAIR_KEY: [1, 2, 3, 4]}, {SHARED_REPAIR_KEY: [7]}]
-    due = tail_replay_audit._repairs_due(_output(details, [{"type": "stop"}, {"type": "abort"}], ["a", "b"]), states)
+    due = tail_replay_repair._repairs_due(_output(details, [{"type": "stop"}, {"type": "abort"}], ["a", "b"]), states)
     assert due == [("a", [1, 2], "obj-a", "shared_state"), ("a", [1, 2, 3, 4], "obj-a", "answer")]
     assert details == [{"device": 1}, {}]   # the keys never reach a client, aborted or not
 
@@ -127,7 +128,7 @@ def test_tokenizer_side_sends_a_shared_state_repair_with_a_running_requests_firs
     waits for the finish)."""
     states = {"a": SimpleNamespace(obj="obj-a")}
     details = [{"device": 1, SHARED_REPAIR_KEY: [1, 2, 3], REPAIR_KEY: [9]}]
-    due = tail_replay_audit._repairs_due(_output(details, [None], ["a"]), states)
+    due = tail_replay_repair._repairs_due(_output(details, [None], ["a"]), states)
     assert due == [("a", [1, 2, 3], "obj-a", "shared_state")]
     assert details == [{"device": 1}]
 
@@ -199,9 +200,9 @@ def test_a_request_whose_input_is_not_in_its_ids_is_never_repaired(field):
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     plain = GenerateReqInput(input_ids=[5, 6, 7], extra_key="t")
-    assert tail_replay_audit.repair_request(None, "r1", [5, 6, 7, 8], plain).input_ids == [5, 6, 7, 8]
+    assert tail_replay_repair.repair_request(None, "r1", [5, 6, 7, 8], plain).input_ids == [5, 6, 7, 8]
     session = GenerateReqInput(input_ids=[7], session_params={"id": "s"})
-    assert tail_replay_audit.repair_request(None, "r2", [5, 6, 7, 8], session, "shared_state") is not None
+    assert tail_replay_repair.repair_request(None, "r2", [5, 6, 7, 8], session, "shared_state") is not None
     other = SimpleNamespace(**{field: [[0.5]] if field == "input_embeds" else ["x.png"]}, input_ids=[1, 2])
-    assert tail_replay_audit.repair_request(None, "r3", [1, 2, 3], other) is None
+    assert tail_replay_repair.repair_request(None, "r3", [1, 2, 3], other) is None
     assert tail_replay_audit.reference_request(None, "r4", session) is None   # the audit's own guard stays
