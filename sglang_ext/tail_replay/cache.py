@@ -16,7 +16,7 @@ composition and built once the cache is (`build_parts`):
 Insert-time state is one object, `inserting` (`insert_provenance.InsertContext`: the inserting
 request's record, prompt length, session history), set for the time a request's
 `checkpoint_into_tree` runs; every bound an insert stores is asked of it (the Mamba component's
-provenance rules read it through `inserting_context()`). The Mamba component is
+provenance writer and host-tier rules ask it through `inserting_context()`). The Mamba component is
 `TailReplayMambaComponent` (`component`). With keep_checkpoints=False no state is inserted; the
 attention KV always is. The per-request decision goes into the request's record
 (`tail_replay.request`): its config, the plan (a ReplayPlan) and, for exact-KV replay, `kv_slots`:
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
@@ -84,19 +83,8 @@ class TailReplayRadixCache(UnifiedRadixCache):
         return self.inserting if self.inserting is not None else NO_REQUEST
 
     def inserting_record(self) -> TailReplayRequest | None:
+        """The record of the request whose insert runs (None: none, or untracked)."""
         return self.inserting_context().record
-
-    def inserting_prompt_len(self) -> int | None:
-        return self.inserting_context().prompt_len
-
-    def insert_bounds(self, start: int, end: int) -> torch.Tensor:
-        """The bound of each position in [start, end) the running insert brings into the tree
-        (`InsertContext.bounds`, fail closed). Reads only."""
-        return self.inserting_context().bounds(start, end)
-
-    def insert_state_bound(self, depth: int) -> float:
-        """The bound of the state the running insert stores at `depth` (`InsertContext`)."""
-        return self.inserting_context().state_bound(depth)
 
     def remember_matched_path(self, path: MatchedPath) -> None:
         """The tree core's walk of the running match's path (the Mamba component's finalizer)."""

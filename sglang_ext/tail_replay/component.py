@@ -49,14 +49,13 @@ class TailReplayMambaComponent(MambaComponent):
     @cached_property
     def provenance(self) -> ProvenanceWriter:
         cache = self.cache
-        return ProvenanceWriter(self.tree_core, self.component_type, inserting_prompt_len=cache.inserting_prompt_len,
-                                insert_bounds=cache.insert_bounds, insert_state_bound=cache.insert_state_bound,
-                                inserting_record=cache.inserting_record, free_state=self._free_mamba_value)
+        return ProvenanceWriter(self.tree_core, self.component_type, inserting=cache.inserting_context,
+                                free_state=self._free_mamba_value)
 
     @cached_property
     def host_tier(self) -> HostTierRules:
         return HostTierRules(self.tree_core, self._config, state_load_node=lambda: self.cache.state_load_node,
-                             insert_bounds=self.cache.insert_bounds)
+                             inserting=self.cache.inserting_context)
 
     @cached_property
     def states(self) -> StateEvictionWalk:

@@ -1,6 +1,7 @@
 """The one place that decides the provenance of what enters the tree (pure: no SGLang import;
 torch only where tensors are built). Every insert, state store and host write-back of the Tail-
-Replay cache (and of every wing built on it) asks `insert_bounds` / `state_bound`; the storage
+Replay cache (and of every wing built on it) asks the running insert's `InsertContext`, whose
+`bounds` / `state_bound` are `insert_bounds` / `state_bound` below; the storage
 write reads the result off the tree (`TailReplayRadixCache.write_backup_storage`).
 
 Fail closed: the provenance of what a request inserts is known only while its record holds the

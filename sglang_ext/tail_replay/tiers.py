@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.unified_cache.components.base import (
 )
 
 from sglang_ext.tail_replay import own_tail
+from sglang_ext.tail_replay.insert_provenance import InsertContext
 from sglang_ext.tail_replay.matching import MatchPlanner, tail_kv_slots
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.provenance import NodeProvenance
@@ -34,20 +35,19 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 
 
-
 class HostTierRules:
     """The Mamba component's host-tier rules (a part of `TailReplayMambaComponent`): which of
     SGLang's host-tier steps run for states. Needs the tree core, the server config's getter (its
     `keep_checkpoints`), the cache's `state_load_node()` (the checkpoint the running load-back may
-    copy) and its `insert_bounds(start, end)`. Each `stock` argument is SGLang's own step; the rules
+    copy) and its `inserting()` (the running insert's `InsertContext`). Each `stock` argument is SGLang's own step; the rules
     mutate nothing but what that step does (and, after an unevict, the node's provenance)."""
 
     def __init__(self, tree_core: Any, config: Callable[[], Any], *, state_load_node: Callable[[], Any],
-                 insert_bounds: Callable[[int, int], torch.Tensor]) -> None:
+                 inserting: Callable[[], InsertContext]) -> None:
         self.tree_core = tree_core
         self.config = config
         self.state_load_node = state_load_node
-        self.insert_bounds = insert_bounds
+        self.inserting = inserting
 
     @property
     def host_states(self) -> bool:
@@ -84,7 +84,7 @@ class HostTierRules:
         """An insert gave a host-only node the request's fresh device KV (SGLang's unevict), and
         its host copy stays the node's too: the node's bounds become the larger of the two
         per token. May mutate: the node's provenance."""
-        ours = self.insert_bounds(total_prefix_len, total_prefix_len + len(node.key))
+        ours = self.inserting().bounds(total_prefix_len, total_prefix_len + len(node.key))
         prov = provenance_of(node) or NodeProvenance()
         kv = ours if prov.kv is None else torch.maximum(prov.kv, ours)
         set_provenance(node, NodeProvenance(kv, prov.state))

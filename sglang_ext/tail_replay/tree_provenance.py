@@ -7,14 +7,14 @@ match, and the Mamba component's provenance rules on insert, node split and inse
 - `MatchedPath`: the nodes of a matched path, root first, walked once per match (the branch-point
   track, the planner, the tail's KV slots and the repair rules all read it).
 - `ProvenanceWriter` (a part of `TailReplayMambaComponent`): new leaves and stored states get
-  the inserting request's bounds (`insert_bounds`), a split keeps each half's own, an overlap lets
+  the inserting request's bounds (the cache's `InsertContext`), a split keeps each half's own, an overlap lets
   fresher KV of a smaller bound replace an approximate node's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.unified_cache.cache_action import FreeDeviceKV
@@ -25,6 +25,9 @@ from sglang_ext.tail_replay.metrics import record_stored_bound
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.provenance import CarryBound, NodeProvenance, PathProvenance
 from sglang_ext.tail_replay.request import computed_from
+
+if TYPE_CHECKING:
+    from sglang_ext.tail_replay.insert_provenance import InsertContext
 
 #: the attribute of a tree node holding its NodeProvenance (absent: strictly exact)
 PROVENANCE_ATTR = "sglang_ext_provenance"
@@ -151,19 +154,15 @@ class MatchedPath:
 class ProvenanceWriter:
     """The Mamba component's provenance rules on insert, node split and insert overlap (a part of
     `TailReplayMambaComponent`). Needs the tree core, the component type, the cache's
-    insert-provenance accessors (`inserting_prompt_len()`, `insert_bounds(start, end)`,
-    `insert_state_bound(depth)`, `inserting_record()`: what the running insert brings) and the
-    component's `free_state(value)` (SGLang's free of a state slot)."""
+    `inserting()`: what the running insert brings (an `insert_provenance.InsertContext`: every
+    bound written here is asked of it) and the component's `free_state(value)` (SGLang's free of a
+    state slot)."""
 
-    def __init__(self, tree_core: Any, component_type: Any, *, inserting_prompt_len: Callable[[], int | None],
-                 insert_bounds: Callable[[int, int], torch.Tensor], insert_state_bound: Callable[[int], float],
-                 inserting_record: Callable[[], Any], free_state: Callable[[Any], None]) -> None:
+    def __init__(self, tree_core: Any, component_type: Any, *, inserting: Callable[[], InsertContext],
+                 free_state: Callable[[Any], None]) -> None:
         self.tree_core = tree_core
         self.component_type = component_type
-        self.inserting_prompt_len = inserting_prompt_len
-        self.insert_bounds = insert_bounds
-        self.insert_state_bound = insert_state_bound
-        self.inserting_record = inserting_record
+        self.inserting = inserting
         self.free_state = free_state
 
     def on_commit(self, node, is_new_leaf, params, result, cache_actions, *, stock: Callable[..., None]) -> None:
@@ -176,15 +175,15 @@ class ProvenanceWriter:
         state LRU, and whatever `stock` mutates."""
         depth = result.prefix_len + (len(node.key) if is_new_leaf else 0)
         if is_new_leaf:
-            prompt_len = self.inserting_prompt_len()
+            prompt_len = self.inserting().prompt_len
             if prompt_len is not None and prompt_len < depth:
                 setattr(node, ANSWER_FROM_ATTR, max(prompt_len - result.prefix_len, 0))
-            kv = self.insert_bounds(result.prefix_len, depth)
+            kv = self.inserting().bounds(result.prefix_len, depth)
             set_provenance(node, NodeProvenance(kv, 0.0))
             record_stored_bound("kv", float(kv.max()) if kv.numel() else 0.0)
         if params.mamba_value is None:
             return
-        state_bound = self.insert_state_bound(depth)
+        state_bound = self.inserting().state_bound(depth)
         cd = node.component_data[self.component_type]
         old = provenance_of(node)
         if not is_new_leaf and cd.value is not None and old is not None and old.state > state_bound \
@@ -231,11 +230,12 @@ class ProvenanceWriter:
         value and provenance, `cache_actions` (the node's old slots freed), the inserting request's
         floor."""
         prov = provenance_of(node)
-        record = self.inserting_record()
+        inserting = self.inserting()
+        record = inserting.record
         if prov is None or prov.kv is None or params.prev_prefix_len > total_prefix_len \
                 or total_prefix_len < computed_from(record):
             return consumed
-        ours = self.insert_bounds(total_prefix_len, total_prefix_len + prefix_len)
+        ours = inserting.bounds(total_prefix_len, total_prefix_len + prefix_len)
         if not bool((ours < prov.kv[:prefix_len]).any()) or float(ours.max()) > prov.kv_max():
             return consumed
         full = node.component_data[ComponentType.FULL]

@@ -165,9 +165,9 @@ def test_stock_last_observes_only_what_stock_would_do():
 
 
 def _writer(core: FakeCore, *, prompt_len=None, bounds=None, state_bound=0.0, record=None, freed=None):
-    return ProvenanceWriter(core, MAMBA, inserting_prompt_len=lambda: prompt_len,
-                            insert_bounds=lambda a, b: bounds[a:b] if bounds is not None else torch.zeros(b - a),
-                            insert_state_bound=lambda depth: state_bound, inserting_record=lambda: record,
+    inserting = SimpleNamespace(prompt_len=prompt_len, record=record, state_bound=lambda depth: state_bound,
+                                bounds=lambda a, b: bounds[a:b] if bounds is not None else torch.zeros(b - a))
+    return ProvenanceWriter(core, MAMBA, inserting=lambda: inserting,
                             free_state=(freed.append if freed is not None else None))
 
 
@@ -249,7 +249,7 @@ def test_host_tier_rules_run_sglangs_steps_only_for_host_states():
     def rules(keep: bool) -> HostTierRules:
         config = dataclasses.replace(CONFIG, keep_checkpoints=keep)
         return HostTierRules(core, lambda: config, state_load_node=lambda: load[0],
-                             insert_bounds=lambda a, b: torch.tensor([0.0, 0.7, 0.0, 0.0]))
+                             inserting=lambda: SimpleNamespace(bounds=lambda a, b: torch.tensor([0.0, 0.7, 0.0, 0.0])))
 
     def stock(*args, **kwargs):
         calls.append(args)
