@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -142,7 +142,8 @@ def _wrap_init_new(original: classmethod) -> classmethod:
                                                    segment=segments.segment.to(device), shards=shards)
                 if carries is not None:
                     carries = dataclasses.replace(carries, rows=carries.rows.to(device), shards=shards)
-                _remember(_batch_keys(fb), rows, slots, model_runner.token_to_kv_pool, segments, carries)
+                _remember(_batch_keys(fb), rows, slots, model_runner.token_to_kv_pool, segments, carries,
+                          translation_of(model_runner) if rows is not None else None)
         return fb
 
     return classmethod(init_new)
@@ -157,11 +158,27 @@ def _bounds_rows(entry: tuple | None) -> int:
     return int(entry is not None and (entry[4] is not None or entry[5] is not None))
 
 
+def translation_of(model_runner: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """How the tree's KV slot ids become pool indices: None where they are the same; on a unified
+    pool (`--enable-unified-memory`: the runner's `kv_index_translator` translates) the allocator's
+    `translate_kv_loc` (virtual -> physical, read at each use: compaction moves pages between
+    iterations). A translating runner without it cannot read cached K/V: a clear error."""
+    translator = getattr(model_runner, "kv_index_translator", None)
+    if translator is None or not translator.is_translating:
+        return None
+    translate = getattr(model_runner.token_to_kv_pool_allocator, "translate_kv_loc", None)
+    if translate is None:
+        raise NotImplementedError("exact-KV Tail-Replay reads cached K/V by slot id; this KV pool translates ids "
+                                  "but its allocator has no translate_kv_loc; use kv_mode 'recompute'")
+    return translate
+
+
 def _remember(keys: list, rows: torch.Tensor | None, slots: torch.Tensor | None, kv_pool: Any,
-              segments: BoundSegments | None = None, carries: CarrySegments | None = None) -> None:
+              segments: BoundSegments | None = None, carries: CarrySegments | None = None,
+              translate: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
     global _bounded_entries
     for key in keys:
-        entry = (key, rows, slots, kv_pool, segments, carries)
+        entry = (key, rows, slots, kv_pool, segments, carries, translate)
         _bounded_entries += _bounds_rows(entry) - _bounds_rows(_TAIL_BY_BATCH.get(id(key)))
         _TAIL_BY_BATCH[id(key)] = entry
     while len(_TAIL_BY_BATCH) > 2 * _MAX_BATCHES_IN_FLIGHT:
@@ -185,9 +202,13 @@ def _entry_of(forward_batch: Any) -> tuple | None:
 
 def tail_of(forward_batch: Any) -> Tail | None:
     """(rows, slots, kv pool) of the exact-KV replayed tails in this forward batch (or a copy of
-    it), or None."""
+    it), or None. The slots are pool indices: translated from the tree's ids where the pool
+    translates them (`translation_of`)."""
     entry = _entry_of(forward_batch)
-    return None if entry is None or entry[1] is None else (entry[1], entry[2], entry[3])
+    if entry is None or entry[1] is None:
+        return None
+    translate = entry[6]
+    return entry[1], entry[2] if translate is None else translate(entry[2]), entry[3]
 
 
 def bound_segments_of(forward_batch: Any) -> BoundSegments | None:

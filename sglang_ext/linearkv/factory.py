@@ -52,7 +52,9 @@ def linearkv_cache_factory(ctx: Any) -> Any:
         "chunk_namespace": chunk_namespace(ctx.server_args), "can_compose": can_compose})
     cache = create_unified_radix_cache(ctx, cache_class=cache_class)
     cache.transitions = ChunkTransitions()
-    cache.relocator = KeyRelocator(cache.token_to_kv_pool_allocator.get_kvcache(), layers)
+    allocator = cache.token_to_kv_pool_allocator
+    cache.relocator = KeyRelocator(allocator.get_kvcache(), layers,
+                                   translate=getattr(allocator, "translate_kv_loc", None))   # a unified pool's
     hide_chunk_events(cache.tree_core.kv_events)
     return cache
 

@@ -4,6 +4,7 @@ re-rotated: RoPE composes, R(c_j) R(p) = R(c_j + p); NoPE keys are copied as the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,13 +13,21 @@ from sglang_ext.linearkv.ops import rerotate_keys
 
 
 class KeyRelocator:
-    """Copies chunk KV between pool slots, re-rotating keys by the chunk's new offset."""
+    """Copies chunk KV between pool slots, re-rotating keys by the chunk's new offset. `translate`:
+    how the tree's and the allocator's slot ids become pool indices (a unified pool's
+    `translate_kv_loc`, virtual -> physical, read at each copy); None where they are the same."""
 
-    def __init__(self, kv_pool: Any, layers: list[tuple[int, Any]]):
+    def __init__(self, kv_pool: Any, layers: list[tuple[int, Any]],
+                 translate: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.kv_pool = kv_pool
         self.layers = layers   # (layer id, rotary module or None for NoPE)
+        self.translate = translate
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
+        """Copy the KV at slots `src` to slots `dst` (slot ids as the tree and the allocator hand
+        them out), keys re-rotated by `delta`. May mutate: the pool at `dst`."""
+        if self.translate is not None:
+            src, dst = self.translate(src), self.translate(dst)
         for layer_id, rotary in self.layers:
             k = self.kv_pool.get_key_buffer(layer_id)
             v = self.kv_pool.get_value_buffer(layer_id)

@@ -50,3 +50,23 @@ def test_the_store_stays_bounded():
     for key in keys:
         store.keep(key, {})
     assert len(store) == 3 and [k in store for k in keys] == [False, False, True, True, True]
+
+
+def test_the_relocator_copies_at_the_pools_physical_slots_where_ids_are_translated():
+    """`--enable-unified-memory`: the tree's and the allocator's slot ids are virtual; the chunk
+    copy reads and writes the pool at the translated slots (`translate_kv_loc`)."""
+    from sglang_ext.linearkv.model_layers import KeyRelocator
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(32, 2, 4, generator=gen), torch.randn(32, 2, 4, generator=gen)
+    pool = SimpleNamespace(get_key_buffer=lambda layer: k, get_value_buffer=lambda layer: v)
+    k0, v0 = k.clone(), v.clone()
+
+    def translate(ids: torch.Tensor) -> torch.Tensor:   # virtual page p -> physical page 3 - p (pages of 8)
+        return (3 - ids // 8) * 8 + ids % 8
+
+    src, dst = torch.tensor([1, 2, 3]), torch.tensor([9, 10, 11])
+    KeyRelocator(pool, [(0, None)], translate=translate).copy(src, dst, delta=0)
+    assert torch.equal(k[translate(dst)], k0[translate(src)]) and torch.equal(v[translate(dst)], v0[translate(src)])
+    untouched = [i for i in range(32) if i not in translate(dst).tolist()]
+    assert torch.equal(k[untouched], k0[untouched])   # the virtual ids' rows (9-11) were not written

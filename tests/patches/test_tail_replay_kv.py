@@ -37,7 +37,7 @@ from sglang_ext.patches.tail_replay import attention as tail_replay_attention  #
 from sglang_ext.patches.tail_replay import batch as tail_replay_batch  # noqa: E402
 from sglang_ext.patches.tail_replay import prefill_graph as tail_replay_prefill_graph  # noqa: E402
 from sglang_ext.patches.tail_replay.attention import MARK, substitute_cached_kv  # noqa: E402
-from sglang_ext.patches.tail_replay.batch import _tail_rows_and_slots  # noqa: E402
+from sglang_ext.patches.tail_replay.batch import _tail_rows_and_slots, tail_of  # noqa: E402
 from sglang_ext.tail_replay import (  # noqa: E402
     RECORD_ATTR,
     HitKind,
@@ -157,6 +157,38 @@ def test_substitute_cached_kv_casts_to_the_model_dtype_and_refuses_fp8():
     pool.k[0] = pool.k[0].to(torch.float8_e4m3fn)
     with pytest.raises(NotImplementedError, match="recompute"):
         substitute_cached_kv(layer, k, v, torch.tensor([1]), torch.tensor([5]), pool)
+
+
+def test_on_a_translating_pool_the_tail_reads_the_physical_slots():
+    """`--enable-unified-memory`: the tree's slot ids are virtual and the pool's allocator
+    translates them (`translate_kv_loc`, read at each use: compaction moves pages between
+    iterations); the tail's cached K/V is read at the translated slots, not at the tree's ids."""
+    pool, layer = FakePool(), SimpleNamespace(layer_id=3)
+    pages = POOL // 8   # virtual page p -> physical page pages - 1 - p (pages of 8 slots)
+
+    def physical(i: int) -> int:
+        return (pages - 1 - i // 8) * 8 + i % 8
+
+    def translate(ids: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([physical(i) for i in ids.tolist()])
+
+    runner = SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=True),
+                             token_to_kv_pool_allocator=SimpleNamespace(translate_kv_loc=translate))
+    assert tail_replay_batch.translation_of(runner) is translate
+    assert tail_replay_batch.translation_of(SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=False))) is None
+    assert tail_replay_batch.translation_of(SimpleNamespace()) is None
+    with pytest.raises(NotImplementedError, match="recompute"):
+        tail_replay_batch.translation_of(SimpleNamespace(kv_index_translator=SimpleNamespace(is_translating=True),
+                                                         token_to_kv_pool_allocator=SimpleNamespace()))
+    fb = make_batch([5, 16, 8], [0, 8, 8])
+    rows, slots = _tail_rows_and_slots(BATCH_REQS, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu)
+    tail_replay_batch._remember(tail_replay_batch._batch_keys(fb), rows, slots, pool, translate=translate)
+    got_rows, got_slots, got_pool = tail_of(fb)
+    assert torch.equal(got_rows, rows) and got_pool is pool
+    assert got_slots.tolist() == [physical(i) for i in slots.tolist()] != slots.tolist()
+    k, v = torch.zeros(29, HEADS, DIM), torch.zeros(29, HEADS, DIM)
+    substitute_cached_kv(layer, k, v, got_rows, got_slots, pool)
+    assert torch.equal(k[rows], pool.k[3][got_slots]) and not torch.equal(k[rows], pool.k[3][slots])
 
 
 # ------------------------------------------------------------ RadixAttention, both paths
