@@ -76,6 +76,7 @@ CPU_PATCHES: tuple[str, ...] = (
     "cpu.mamba_track",
     "cpu.extra_buffer",     # after cpu_gdn / cpu_mamba2: the ops extra_buffer reads
     "cpu.deterministic",    # --enable-deterministic-inference: torch_native admitted, row-by-row mm
+    "cpu.unified_memory",   # --enable-unified-memory: torch_native reads and writes through the id translation
 )
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = (
