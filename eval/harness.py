@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,9 @@ class ServerProcess:
     proc: subprocess.Popen | None = None
     #: environment variables set for this server only (on top of this process's)
     env: dict[str, str] = field(default_factory=dict)
+    #: this server's Prometheus multiprocess folder (SGLang makes one in /tmp per launch and a
+    #: killed server leaves it behind); removed when the server stops
+    metrics_dir: str | None = None
 
     @property
     def url(self) -> str:
@@ -62,6 +67,9 @@ class ServerProcess:
         """Start the process without waiting (several servers can then boot side by side)."""
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         env = {**QUIET_STOP_ENV, **os.environ, **self.env}
+        if "PROMETHEUS_MULTIPROC_DIR" not in self.env:   # (this process's own, if SGLang set one here, is not the server's)
+            self.metrics_dir = self.metrics_dir or tempfile.mkdtemp(prefix="sglang-ext-metrics-")
+            env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         return self
 
@@ -124,6 +132,9 @@ class ServerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
+        if self.metrics_dir is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            self.metrics_dir = None
 
     def __enter__(self) -> ServerProcess:
         return self.start()
