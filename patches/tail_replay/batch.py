@@ -186,9 +186,10 @@ def _remember(keys: list, rows: torch.Tensor | None, slots: torch.Tensor | None,
 
 
 def any_bound_rows() -> bool:
-    """Whether some remembered batch has rows whose bound the gate hooks sum (an approximate
-    replay's tail, or rows computed after an approximate start). False: every batch in flight is
-    misses and exact hits, and the linear bound seam (`linear_bound.py`) has nothing to do."""
+    """Whether some remembered batch (the memo keeps the last extend batches that had tails) has
+    rows whose bound the gate hooks sum (an approximate replay's tail, or rows computed after an
+    approximate start). False: no batch can have one, and the linear bound seam
+    (`linear_bound.py`) has nothing to do."""
     return _bounded_entries > 0
 
 

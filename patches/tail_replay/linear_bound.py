@@ -16,8 +16,9 @@ carried rows' provenance bounds (`CarrySegments.accumulate`: one gather, one cum
 Not covered: extends inside a prefill CUDA graph where a seam says `outside_prefill_graph` (GDN:
 the forward is only captured there); layers a kind's `gates` does not recognise (KDA through
 GDN's class). Such a request's bound is reported as None, since its sums then miss tokens
-(`state_bound.summarize`). While no batch in flight has a row to bound (`batch.any_bound_rows`:
-misses and exact hits only) a wrapper calls straight through. The wrappers read the registry on every call: a kind registered later
+(`state_bound.summarize`). While no remembered batch has a row to bound (`batch.any_bound_rows`: the
+memo keeps only batches with tails, so after an approximate replay this holds again only once 16
+later tail batches have pushed it out) a wrapper calls straight through. The wrappers read the registry on every call: a kind registered later
 at an already wrapped target is served, an unregistered one is passed through.
 """
 
@@ -129,7 +130,7 @@ def _hook(target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> context
 def _wrap(original: Callable, target: str) -> Callable:
     @functools.wraps(original)
     def seam(*args: Any, **kwargs: Any) -> Any:
-        if not any_bound_rows():   # misses and exact hits only: no scope to open, nothing to sum
+        if not any_bound_rows():   # no remembered batch has a row to bound: nothing to sum
             return original(*args, **kwargs)
         token = _hook(target, args, kwargs)
         try:
