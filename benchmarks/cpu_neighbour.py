@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--neighbours", type=int, default=2, help="busy jobs in the 'neighbours' phase")
     ap.add_argument("--neighbour-kind", choices=sorted(NEIGHBOURS), default="spin")
     ap.add_argument("--neighbour-max-s", type=int, default=900, help="each busy job ends after this anyway")
-    ap.add_argument("--budget", type=float, default=DEFAULTS.budget,
+    ap.add_argument("--budget", type=float, default=DEFAULTS.knobs.budget,
                     help="Tail-Replay budget of the servers (default: Tail-Replay's default)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:VAR=VAL,...",
                     help="another server variant (env overrides), e.g. 'two:SGLANG_EXT_CPU_THREADS=2'")

@@ -116,11 +116,14 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
     kinds = {name: kind for name, (kind, _) in got.items()}
     touched: dict[str, set[str]] = {name: set() for name in PHASES}
+    functions: dict[str, set[str]] = {name: set() for name in PHASES}
     processes = 0
     for path in control.glob("*-*.json"):
         pid, name = path.stem.split("-", 1)
         if name in touched:
-            touched[name] |= set(json.loads(path.read_text())["modules"])
+            noted = json.loads(path.read_text())
+            touched[name] |= set(noted["modules"])
+            functions[name] |= set(noted.get("functions", ()))
             processes += name == "exact"
     wing = wing_modules()
     rows = {}
@@ -130,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         rows[name] = {"kind": kinds.get(name), "wing_modules": ours, "wing_touched": len(ours),
                       "wing_total": len(wing), "wing_share": round(len(ours) / len(wing), 3),
                       "patch_modules": [m for m in mods if m.startswith("patches/")],
-                      "other_modules": [m for m in mods if not m.startswith((WING, "patches/"))]}
+                      "other_modules": [m for m in mods if not m.startswith((WING, "patches/"))],
+                      "wing_functions": sorted(f for f in functions[name] if f.startswith(WING))}
     report = {"command": " ".join(sys.argv), "document": args.document, "q": args.q,
               "processes_reporting": processes, "phases": rows}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -57,7 +57,7 @@ from sglang_ext.env import THREAD_VARS  # noqa: E402
 from sglang_ext.tail_replay import DEFAULTS, parse_config, replay_window, with_overrides  # noqa: E402
 
 TOKEN_LO, TOKEN_HI = 10, 500          # random prompt ids (the tiny model's vocabulary is 512)
-SERVER_BUDGET = DEFAULTS.budget      # the server's config: Tail-Replay's default budget
+SERVER_BUDGET = DEFAULTS.knobs.budget      # the server's config: Tail-Replay's default budget
 CONFIGS = ("full_prefill", "full_prefill_tr_server", "stock_cache", "tail_replay_5", "tail_replay_10")
 LABELS = {
     "full_prefill": "(a) full prefill (never-seen prompt)",

@@ -11,7 +11,7 @@ which every SGLang process of a patched server runs). Pure: no SGLang import.
 - request backends: radix-cache backends whose requests carry Tail-Replay request fields (validated
   on arrival by `patches/tail_replay/request.py`). LinearKV serves its exact prefix with Tail-Replay.
 - state orders: `name -> factory(StateOrderSite) -> StateOrder`, which device state Tail-Replay's
-  state-only eviction walk frees next (`sglang_ext.tail_replay.state_walk`). Tail-Replay registers
+  state-only eviction walk frees next (`sglang_ext.tail_replay.state_order.StateEvictionWalk`). Tail-Replay registers
   its config's orders ("lru", "ends", "approximate_first", "stock_last"); a policy registers its
   own with `chosen_when(tree_core)`, and then runs the walks it is chosen for over the config's
   order. SAECache: "sae" (`sglang_ext.eviction.sglang_adapter.register_policy`).

@@ -1,7 +1,8 @@
 """Loaded by every Python process of a server that `benchmarks/hit_footprint.py` starts (it puts
 this folder first on PYTHONPATH): records which of the extension's modules run code, per phase.
 
-A profile hook (`sys.setprofile`, every thread) notes the file of each Python function called. A
+A profile hook (`sys.setprofile`, every thread) notes the file (and name) of each Python function
+called. A
 watcher thread reads `$SGLANG_EXT_FOOTPRINT_DIR/phase` every 20 ms; when its content changes, the
 process writes the files noted since the last change to `<dir>/<pid>-<old phase>.json` and starts
 afresh. Only files of the extension (`sglang_ext/`, `patches/`) are kept.
@@ -30,6 +31,7 @@ def _ours(path: str) -> str | None:
 
 if _DIR:
     _seen: set[str] = set()
+    _functions: set[str] = set()
     _memo: dict[str, str | None] = {}
 
     def _profile(frame, event, arg):
@@ -40,6 +42,7 @@ if _DIR:
                 name = _memo[path] = _ours(path)
             if name is not None:
                 _seen.add(name)
+                _functions.add(f"{name}:{frame.f_code.co_name}")
 
     def _watch() -> None:
         control = os.path.join(_DIR, "phase")
@@ -52,12 +55,15 @@ if _DIR:
                 now = None
             if now != phase:
                 if phase is not None:
-                    noted = sorted(_seen)
+                    noted, functions = sorted(_seen), sorted(_functions)
                     _seen.clear()
+                    _functions.clear()
                     with open(os.path.join(_DIR, f"{os.getpid()}-{phase}.json"), "w") as f:
-                        json.dump({"pid": os.getpid(), "argv": sys.argv[:3], "modules": noted}, f)
+                        json.dump({"pid": os.getpid(), "argv": sys.argv[:3], "modules": noted,
+                                   "functions": functions}, f)
                 else:
                     _seen.clear()
+                    _functions.clear()
                 phase = now
             time.sleep(0.02)
 

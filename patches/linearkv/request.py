@@ -128,7 +128,7 @@ def requested_exactness(custom_params: Any) -> str:
     naming it, HTTP 400). Whether "exact_unless_pressed" runs strict is decided in the scheduler."""
     from sglang_ext.tail_replay import check_request, server_config
 
-    return check_request(server_config(), custom_params).exactness
+    return check_request(server_config(), custom_params).knobs.exactness
 
 
 def _set_linearkv_field(obj: Any, value: dict | None) -> None:

@@ -73,11 +73,11 @@ def observe_forward(reqs: Any, next_token_logits: Any) -> None:
         return
     for i, req in enumerate(reqs):
         record = record_of(req)
-        if record is None or record.plan is None or record.audit_decided or not _gives_first_output(req):
+        if record is None or record.plan is None or not _gives_first_output(req) \
+                or not record.first_time("audit_decided"):
             continue
-        record.audit_decided = True
         config = record.config
-        if config.audit_of is None and not config.audit and config.audit_rate <= 0.0:
+        if config.audit_of is None and not config.audit and config.server.audit_rate <= 0.0:
             continue
         if not records_here():
             continue
@@ -92,7 +92,7 @@ def _keep(req: Any, record: Any, logits: Any) -> None:
 
     config = record.config
     bound, exact = output_provenance(record, len(req.origin_input_ids))
-    trigger = audit_trigger(forced=config.audit, reference=config.background, exact=exact, rid=req.rid, rate=config.audit_rate)
+    trigger = audit_trigger(forced=config.audit, reference=config.background, exact=exact, rid=req.rid, rate=config.server.audit_rate)
     if trigger is None:
         return
     _pending_audits().add(ServedAnswer(rid=req.rid, trigger=trigger, kind=record.plan.kind.value, bound=bound,

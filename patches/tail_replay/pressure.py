@@ -89,8 +89,8 @@ def _wrap_init(original: Callable) -> Callable:
     def init_request_receiver(self, *args, **kwargs):
         original(self, *args, **kwargs)
         config = getattr(self.tree_cache, "tail_replay_config", None)   # a Tail-Replay cache's config
-        if config is not None and config.pressure is not None:
-            _ARRIVALS[id(self.request_receiver)] = (config.pressure, functools.partial(scheduler_load, self))
+        if config is not None and config.server.pressure is not None:
+            _ARRIVALS[id(self.request_receiver)] = (config.server.pressure, functools.partial(scheduler_load, self))
 
     return init_request_receiver
 

@@ -38,7 +38,7 @@ def tree_holds_no_states() -> bool:
 
     from sglang_ext.tail_replay import BACKEND_NAME, server_config
 
-    return get_memory().radix_cache_backend == BACKEND_NAME and not server_config().keep_checkpoints
+    return get_memory().radix_cache_backend == BACKEND_NAME and not server_config().knobs.keep_checkpoints
 
 
 def _wrap(original: Callable) -> Callable:

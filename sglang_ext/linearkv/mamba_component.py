@@ -97,7 +97,7 @@ def track_provenance(cache: Any, req: Any) -> None:
     if provenance == EXACT_FROM_SCRATCH:
         record = cache.request_record(req)
         record.set_plan(FROM_SCRATCH)
-        record.recorded = record.exactness_recorded = True
+        record.done.update(("plan_recorded", "exactness_recorded"))
     elif provenance == UNKNOWN:
         untrack(req)
 

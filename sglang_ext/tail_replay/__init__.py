@@ -21,8 +21,8 @@ transferred metadata, read back by the decode server; `patches/tail_replay/disag
 The SGLang adapter (`--radix-cache-backend
 tail_replay`), one concern per module: `cache` (the match and its plan, the factory), `component`
 (the Mamba component), `tree_provenance` (a node's provenance on insert / split / overlap, the
-matched path walked once per match), `tiers` (host and storage tiers), `state_walk` (the state-only
-eviction walk), `state_order` and `stock_last` (which state goes first under state pressure: the
+matched path walked once per match), `tiers` (host and storage tiers), `state_order` (the state-only
+eviction walk, and with `stock_last` which state goes first under state pressure: the
 orders Tail-Replay registers in `sglang_ext.hooks`, where a policy registers its own), `branch_rules` (branch-point track, shared-state repair asks),
 `kv_past_state` (KV past a finished request's last state under the extra buffer), `sessions`
 (streaming sessions: a later turn planned from its session's provenance).
@@ -117,14 +117,18 @@ from sglang_ext.tail_replay.config import (
     DEFAULTS,
     KV_MODES,
     REQUEST_PARAM_KEY,
+    BackgroundRun,
+    Knobs,
+    ServerConfig,
     TailReplayConfig,
     TailReplayConfigError,
     config_from_dict,
     parse_config,
+    resolve,
     server_config,
+    server_from_dict,
     user_settings,
     with_model_profile,
-    with_overrides,
 )
 from sglang_ext.tail_replay.decay_profile import PERCENTILES
 from sglang_ext.tail_replay.label_transfer import ROW_WORDS, decode_side_label, encode_label, merge_labels
@@ -185,7 +189,14 @@ from sglang_ext.tail_replay.request import (
     plan_of,
     record_of,
 )
-from sglang_ext.tail_replay.request_fields import RequestLimits, background_mark, check_request, request_overrides
+from sglang_ext.tail_replay.request_fields import (
+    RequestLimits,
+    RequestOptions,
+    background_mark,
+    check_request,
+    request_overrides,
+    with_overrides,
+)
 from sglang_ext.tail_replay.startup import (
     ServerFacts,
     StartupError,
@@ -209,6 +220,7 @@ _FROM_CACHE = ("TailReplayRadixCache", "TailReplayMambaComponent", "tail_replay_
 
 __all__ = [
     "BACKEND_NAME", "DEFAULTS", "KV_MODES", "REQUEST_PARAM_KEY", "RequestLimits", "TailReplayConfig",
+    "Knobs", "ServerConfig", "RequestOptions", "BackgroundRun", "resolve", "server_from_dict",
     "TailReplayConfigError", "config_from_dict", "parse_config", "request_overrides", "server_config",
     "BACKGROUND_PARAM_KEY", "background_mark", "check_request",
     "with_overrides", "user_settings", "with_model_profile", "AUTO", "PERCENTILES",

@@ -191,7 +191,7 @@ class SharedRepairRules:
 
     @staticmethod
     def _exact_state_as_deep(record: TailReplayRequest, prov: PathProvenance, depth: int) -> bool:
-        exact = prov.deepest_exact_state(record.config.exact_threshold, strict=False)
+        exact = prov.deepest_exact_state(record.config.server.exact_threshold, strict=False)
         return exact is not None and exact.depth >= depth
 
     def branch_depth(self, record: TailReplayRequest, planned: Planned, prompt_len: int) -> int | None:
@@ -213,7 +213,7 @@ class SharedRepairRules:
         cache = self.cache
         branches_here = (approximate and 0 < matched < (prompt_len - 1) // cache.page_size * cache.page_size
                          and continues_a_prompt(cache.tree_core.node_by_id(planned.last_node)))
-        keeps = cache.enable_mamba_extra_buffer and cache.tail_replay_config.keep_checkpoints
+        keeps = cache.enable_mamba_extra_buffer and cache.tail_replay_config.knobs.keep_checkpoints
         if not (approximate and branches_here and keeps):
             return None
         grid = self.repair_grid()

@@ -7,10 +7,10 @@ composition and built once the cache is (`build_parts`):
 | part | module | what it decides |
 |---|---|---|
 | `planner` (`MatchPlanner`) | `matching` | the record, the matched path (walked once), the plan, the rewritten match result |
-| `host_tier` (`HostTierCache`) | `tiers` | plans that read the host tier, their load-back, the storage probe and write |
+| `host_tier` (`HostTierCache`, asked only with HiCache or storage) | `tiers` | plans that read the host tier, their load-back, storage |
 | `repair` (`SharedRepairRules`) | `branch_rules` | the shared-state repair asks at a match |
-| `sessions` (`StreamingTurns`) | `sessions` | a streaming session's turns: their plan, refusal, provenance |
-| `claims` (`OwnTailClaims`) | `own_tail` | `kv_mode: "recompute"`: a request's own recomputed tail |
+| `sessions` (`StreamingTurns`, asked only for a session's requests) | `sessions` | a streaming session's turns: their plan, refusal, provenance |
+| `claims` (`OwnTailClaims`, asked only for a request with a recompute tail) | `own_tail` | `kv_mode: "recompute"`: a request's own recomputed tail |
 | `kv_past_state` (`KvPastTheState`) | `kv_past_state` | the KV past a finished request's last state (extra buffer) |
 
 Insert-time state is one object, `inserting` (`insert_provenance.InsertContext`: the inserting
@@ -26,6 +26,7 @@ the tree's KV slots of the replayed tail, read by `patches/tail_replay/batch.py`
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -39,7 +40,7 @@ from sglang_ext.tail_replay.kv_past_state import KvPastTheState
 from sglang_ext.tail_replay.matching import MatchPlanner, record_for, request_config
 from sglang_ext.tail_replay.own_tail import OwnTailClaims
 from sglang_ext.tail_replay.provenance import PathProvenance
-from sglang_ext.tail_replay.request import TailReplayRequest, record_of
+from sglang_ext.tail_replay.request import TailReplayRequest, owns_tail, record_of
 from sglang_ext.tail_replay.sessions import SessionProvenance, StreamingTurns
 from sglang_ext.tail_replay.tiers import HostTierCache
 from sglang_ext.tail_replay.tree_provenance import MatchedPath, answer_from, provenance_of
@@ -67,6 +68,7 @@ class TailReplayRadixCache(UnifiedRadixCache):
         """The named parts (table in the module docstring), once SGLang's constructor has built
         the tree, the pools and the components. May mutate: the parts (new)."""
         self.planner = MatchPlanner(self, self.tail_replay_config)
+        #: asked only while HiCache or a storage tier is on (`tiers_on`)
         self.host_tier = HostTierCache(self, self.planner)
         self.repair = SharedRepairRules(self, self.planner.node_at_depth, branch_rule=self.branch_repair)
         self.sessions = StreamingTurns(self, self.planner.record)
@@ -103,6 +105,16 @@ class TailReplayRadixCache(UnifiedRadixCache):
         """Per open streaming session with a slot: its provenance (`StreamingTurns.table`)."""
         return self.sessions.table
 
+    def tiers_on(self) -> bool:
+        """Whether HiCache or a storage tier is on (SGLang turns them on once the constructor ran):
+        only then is the host-tier part asked. Reads only."""
+        return bool(self.tree_core.enable_hicache) or bool(self.enable_storage)
+
+    @staticmethod
+    def _in_session(req: Any) -> bool:
+        """A request of a SGLang session (`Req.session`): only then do the session rules run."""
+        return req is not None and getattr(req, "session", None) is not None
+
     @staticmethod
     def _transferred() -> bool:
         """The decode side of PD disaggregation: requests insert KV a prefill server computed."""
@@ -124,7 +136,9 @@ class TailReplayRadixCache(UnifiedRadixCache):
             mamba.forget_stock_shadow()
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        return self.sessions.match_prefix(params, super().match_prefix)
+        if self._in_session(params.req):
+            return self.sessions.match_prefix(params, super().match_prefix)
+        return super().match_prefix(params)
 
     def _match_tree(self, params: MatchPrefixParams) -> MatchResult:
         self.planner.begin_match()   # the path is walked by this match (`remember_matched_path`)
@@ -134,11 +148,17 @@ class TailReplayRadixCache(UnifiedRadixCache):
             self.planner.end_match()
 
     def _finalize_match_result(self, params: MatchPrefixParams, result: MatchResult) -> MatchResult:
-        if params.req is not None and not self.host_tier.is_storage_probe(params):
+        if params.req is None:
+            return super()._finalize_match_result(params, result)
+        if not self.tiers_on():
+            result = self.planner.apply(params.req, result, None, self.repair)
+        elif not self.host_tier.is_storage_probe(params):
             result = self.planner.apply(params.req, result, self.host_tier, self.repair)
         return super()._finalize_match_result(params, result)
 
     def init_load_back(self, params: Any) -> Any:
+        if not self.tiers_on():
+            return super().init_load_back(params)
         return self.host_tier.init_load_back(params, super().init_load_back)
 
     def write_backup_storage(self, node_id: Any) -> None:
@@ -150,10 +170,12 @@ class TailReplayRadixCache(UnifiedRadixCache):
     def checkpoint_into_tree(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
         if self.planner.would_adopt_inexact_kv(req, up_to):
             up_to = 0   # no insert while it runs (SGLang's empty insert): it keeps its own KV
-        self.inserting = InsertContext(record_of(req), len(req.origin_input_ids),
-                                       history=self.sessions.history(req), transferred=self._transferred())
+        record = record_of(req)
+        history = self.sessions.history(req) if self._in_session(req) or self.sessions.released else None
+        self.inserting = InsertContext(record, len(req.origin_input_ids), history=history,
+                                       transferred=self._transferred())
         try:
-            with self.claims.claiming(req):
+            with self.claims.claiming(req) if owns_tail(record) else nullcontext():
                 super().checkpoint_into_tree(req, up_to=up_to, **kwargs)
             if self.kv_past_state.keeps(req, up_to):
                 self.kv_past_state.insert(req, up_to)
@@ -162,9 +184,13 @@ class TailReplayRadixCache(UnifiedRadixCache):
             self.sessions.released = None
 
     def insert(self, params):
+        if self.claims.armed is None:   # no recompute tail waits to be claimed by this insert
+            return super().insert(params)
         return self.claims.insert(params, super().insert)
 
     def claim_kv_row(self, req: Any) -> bool:
+        if not self._in_session(req):
+            return super().claim_kv_row(req)
         return self.sessions.claim_kv_row(req, super().claim_kv_row)
 
     def release_session(self, session_id: str) -> None:
@@ -173,7 +199,9 @@ class TailReplayRadixCache(UnifiedRadixCache):
 
     def on_release(self, req: Any, *, checkpointed: bool) -> None:
         self.sessions.released = None   # an aborted session turn released without an insert
-        self.claims.release(req)
+        record = record_of(req)
+        if record is not None and record.own_kv is not None:
+            self.claims.release(req)
         super().on_release(req, checkpointed=checkpointed)
 
 

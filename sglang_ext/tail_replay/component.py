@@ -8,7 +8,7 @@ SGLang's hook overrides; each delegates to a named part, held by composition and
 | `provenance` | `ProvenanceWriter` (`tree_provenance`) | a node's provenance on insert / split / overlap |
 | `host_tier` | `HostTierRules` (`tiers`) | which host-tier steps run for states |
 | `branch_track` | `BranchPointTrack` (`branch_rules`) | the branch-point track at a match |
-| `states` | `StateEvictionWalk` (`state_walk`) | the state-only eviction walk and its registered order |
+| `states` | `StateEvictionWalk` (`state_order`) | the state-only eviction walk and its registered order |
 
 A hook that extends SGLang's step hands SGLang's implementation to the part (`stock=`), or runs it
 first and then the part.
@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 from sglang_ext.tail_replay.branch_rules import BranchPointTrack
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.request import plan_of, record_of
-from sglang_ext.tail_replay.state_walk import StateEvictionWalk
+from sglang_ext.tail_replay.state_order import StateEvictionWalk
 from sglang_ext.tail_replay.tiers import HostTierRules
 from sglang_ext.tail_replay.tree_provenance import ProvenanceWriter
 
@@ -71,8 +71,9 @@ class TailReplayMambaComponent(MambaComponent):
     # ---- what the cache calls -------------------------------------------------------------------
     @property
     def host_states(self) -> bool:
-        """Whether states go to the host tier (HiCache on, the server keeps checkpoints)."""
-        return self.host_tier.host_states
+        """Whether states go to the host tier (HiCache on, the server keeps checkpoints). A server
+        without HiCache never builds its host-tier part."""
+        return bool(self.tree_core.enable_hicache) and self.host_tier.host_states
 
     def forget_stock_shadow(self) -> None:
         """The tree was reset (`/flush_cache`): the state order forgets what it observed (the stock
@@ -125,7 +126,7 @@ class TailReplayMambaComponent(MambaComponent):
         and the key is cut to whole pages on insert."""
         record = self.cache.request_record(req)
         lands_on_its_depth = self.cache.enable_mamba_extra_buffer or token_ids_len % self.cache.page_size == 0
-        return record.config.keep_checkpoints and lands_on_its_depth
+        return record.config.knobs.keep_checkpoints and lands_on_its_depth
 
     def prepare_for_caching_req(self, req: Any, insert_params: Any, token_ids_len: int, is_finished: bool) -> int:
         withheld = not self._stores_state(req, token_ids_len)

@@ -1,33 +1,41 @@
-"""User-facing Tail-Replay knobs: one frozen dataclass, parsed and validated in one place.
+"""Tail-Replay's settings, by who sets them and when, parsed and validated in one place.
 
-Given as JSON (`--tail-replay-config '{"budget": 0.05}'`, or the env var
-`SGLANG_EXT_TAIL_REPLAY_CONFIG`, a JSON object or a path to a JSON file). Unknown keys and
-bad values fail at start-up with a message naming the key.
+- `Knobs` (frozen): how a request is planned, stored and repaired. The server config sets their
+  defaults; a client may set each for its own request.
+- `ServerConfig` (frozen, at start-up): the knobs' defaults plus the keys only the operator sets
+  (`--tail-replay-config '{"budget": 0.05}'`, or `SGLANG_EXT_TAIL_REPLAY_CONFIG`: a JSON object
+  or a path to a JSON file). Unknown keys and bad values fail at start-up naming the key.
+- `RequestOptions` (frozen, `request_fields.py`): exactly what a client may send
+  (`custom_params["tail_replay"]`), checked against the server's config (`RequestOptions.parse`;
+  a bad one is a 400 naming it).
+- `BackgroundRun` (frozen): the server's mark on a run it sends itself (an audit's reference, a
+  repair: `audit_of`, `repair_of`, `repair_kind`), set out of band under `BACKGROUND_PARAM_KEY`
+  in the tokenizer process after the request's fields were validated
+  (`patches/tail_replay/request.py`); never parsed from a client (a client sending that key or
+  one of those fields gets a 400 naming it).
+- `TailReplayConfig`: the derived view one request runs with (`resolve`): the server's config,
+  the request's effective knobs, its `audit`, the background run it is, and the pressure
+  thresholds met at its arrival. Every reader reads this view.
 
-Every reader of the server's config calls `server_config()` (the variable is read by
-`sglang_ext.env`, parsed here once per process and value); a request's overrides are checked by
-`check_request` in the tokenizer process and resolved once more by `request_overrides` in the
-scheduler when the request is first matched, then kept on its record (`tail_replay.request`:
-SGLang sends the request between the two processes as msgspec data, so no Python object can travel
-with it).
+Who may set a key follows from the part that owns it (`KNOB_KEYS`, `SERVER_KEYS`,
+`REQUEST_KEYS`). A request's own `audit` / `repair` (and `repair_shared: true`) are refused unless
+the server's config sets `allow_request_audit_repair` (each buys an extra exact prefill).
 
-Server bookkeeping never comes from a client. The fields that mark the server's own background
-runs (`audit_of`, `repair_of`, `repair_kind`: an audit's reference run, a repair run) are no config
-keys at all: the tokenizer process sets them out of band, under `BACKGROUND_PARAM_KEY` in the
-run's `custom_params`, after the request's fields were validated
-(`patches/tail_replay/request.py`); a client sending that key, or one of those fields, gets a 400
-naming it. A request's own `audit` / `repair` (and `repair_shared: true`) are refused unless the
-server's config sets `allow_request_audit_repair` (each buys an extra exact prefill).
-
-`DEFAULTS` is the default config, for benchmarks and evaluations that name the defaults.
+Every reader of the server's config calls `server_config()` (the view of a request that sets
+nothing; the variable is read by `sglang_ext.env`, parsed here once per process and value); a
+request's options are checked by `check_request` in the tokenizer process and resolved once more
+by `request_overrides` in the scheduler when the request is first matched, then kept on its
+record (`tail_replay.request`: SGLang sends the request between the two processes as msgspec
+data, so no Python object can travel with it). `DEFAULTS` is the default view.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sglang_ext.env import tail_replay_config_text
 from sglang_ext.tail_replay.decay_profile import (
@@ -38,6 +46,9 @@ from sglang_ext.tail_replay.decay_profile import (
     load_profile,
 )
 from sglang_ext.tail_replay.pressure import PressurePolicy, parse_policy
+
+if TYPE_CHECKING:
+    from sglang_ext.tail_replay.request_fields import RequestOptions
 
 #: `--radix-cache-backend` name of Tail-Replay
 BACKEND_NAME = "tail_replay"
@@ -67,8 +78,17 @@ class TailReplayConfigError(ValueError):
     pass
 
 
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise TailReplayConfigError(f"tail-replay config key {key!r}: {message}")
+
+
 @dataclass(frozen=True)
-class TailReplayConfig:
+class Knobs:
+    """How one request is planned, stored and repaired: the server config sets their defaults, and a
+    client may set each of them for its own request (`custom_params["tail_replay"]`), `repair`
+    (and `repair_shared: true`) only where the server allows it."""
+
     #: replay window W as a fraction of the matched length L (W = budget * L, clamped below), or
     #: "auto": the W the model's decay profile certifies for `tolerance` (clamped below)
     budget: float | str = 0.05
@@ -88,67 +108,23 @@ class TailReplayConfig:
     tolerance: float = 0.01
     #: budget "auto": which per-token decay percentile of the slowest head the bound uses
     decay_percentile: int = 90
-    #: the decay profile file (default: decay.json in the model folder, found at start-up)
-    decay_profile: str | None = None
     #: "approximate": reuse every cached token, replaying approximately where no exact state is
     #: near; "exact_first": where an exact state is on the matched path, resume from it and
     #: recompute the rest exactly (stock SGLang's hit, served as stock serves it), and replay
     #: approximately only where there is none (where stock misses); "exact": reuse only strictly
     #: exact nodes and states (bound 0), recompute the rest (SGLang's semantics: every output
-    #: equals a server without cache)
+    #: equals a server without cache); "exact_unless_pressed": "exact", and under the server's
+    #: `pressure` "approximate" within its tolerance
     exactness: str = "exact_first"
-    #: a node or state whose bound (tail_replay/provenance.py) is at most this counts as exact
-    #: in the "approximate" mode (float noise of the linear state, relative); 0: only bound 0
-    exact_threshold: float = 1e-5
-    #: live quality audit (tail_replay/audit.py): the share of approximate answers (provenance not
-    #: exact) re-run as an exact prefill in the background, whose next-token distribution is compared
-    #: with the served one; 0: off (server setting only)
-    audit_rate: float = 0.0
-    #: audit this request whatever it was (exact or not); per request only, and only on a server
-    #: with `allow_request_audit_repair`
-    audit: bool = False
-    #: set by the server on its own audit re-runs (out of band, `BACKGROUND_PARAM_KEY`): the rid of
-    #: the request this one is the reference for (never audited itself); not a key
-    audit_of: str | None = None
     #: exact repair (tail_replay/repair.py): when an answer that was not exact finishes, its
     #: sequence (prompt and output) is recomputed exactly in the background, so the tree's nodes
     #: along it and its end state become exact and the conversation's next turn resumes exactly
-    #: (server default, and per request on a server with `allow_request_audit_repair`)
     repair: bool = False
     #: shared-state repair (tail_replay/repair.py): when a request's matched path ends its states
-    #: at one that does not count as exact and that conversations branch from (the tree branches
-    #: below it before any other state: e.g. the end of a shared system prompt that an
-    #: approximate replay reached first), that state is recomputed exactly in the background, once, so later
-    #: conversations branching there resume exactly, as on stock SGLang (server default; a request
-    #: may turn it off, and on only on a server with `allow_request_audit_repair`)
+    #: at one that does not count as exact and that conversations branch from (e.g. the end of a
+    #: shared system prompt that an approximate replay reached first), that state is recomputed
+    #: exactly in the background, once, so later conversations branching there resume exactly
     repair_shared: bool = True
-    #: set by the server on its own repair runs (out of band, `BACKGROUND_PARAM_KEY`): the rid of
-    #: the request being repaired (never repaired or audited itself); not a key
-    repair_of: str | None = None
-    #: set by the server on its own repair runs (out of band): what it repairs (one of
-    #: `REPAIR_KINDS`); not a key
-    repair_kind: str = "answer"
-    #: whether a request may set `audit` / `repair` itself (each buys a full-vocabulary
-    #: log-softmax or an extra exact prefill); false: such a request gets a 400 (server setting only)
-    allow_request_audit_repair: bool = False
-    #: which stored state is freed first when the state pool is full: "lru" (SGLang's order:
-    #: least recently used) or "ends" (first a state its conversation has moved past, i.e. whose
-    #: node continues in exactly one child with a state further down, least recently used first;
-    #: then least recently used), keeping conversation ends and branch points, or
-    #: "approximate_first" (first a state that does not count as exact, least recently used
-    #: first; then least recently used), keeping the exact states stock SGLang would hold, or
-    #: "stock_last" (approximate and untracked states first, then exact states stock SGLang would
-    #: no longer hold, then stock's own in stock's order: none of Tail-Replay's own states displaces
-    #: an exact one stock holds), or "auto": "stock_last" unless the server's `exactness` is
-    #: "approximate" ("lru")
-    #: (server setting only)
-    state_order: str = "auto"
-    #: "exact_unless_pressed": the load thresholds and tolerance (JSON object, server only; pressure.py)
-    pressure: PressurePolicy | None = None
-    #: the thresholds the request's pressure stamp says were met at its arrival (out of band); not a key
-    pressed_by: tuple[str, ...] = ()
-    #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
-    profile: DecayProfile | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, str):
@@ -164,79 +140,210 @@ class TailReplayConfig:
         _check(self.min_match_tokens >= 0, "min_match_tokens", f"must be >= 0, got {self.min_match_tokens}")
         _check(self.kv_mode in KV_MODES, "kv_mode", f"must be one of {KV_MODES}, got {self.kv_mode!r}")
         _check(self.exactness in EXACTNESS, "exactness", f"must be one of {EXACTNESS}, got {self.exactness!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the operator sets (`--tail-replay-config`), frozen at start-up: the knobs' defaults and
+    the keys only a server sets."""
+
+    #: the defaults of what each request may set for itself
+    knobs: Knobs = field(default_factory=Knobs)
+    #: the decay profile file (default: decay.json in the model folder, found at start-up)
+    decay_profile: str | None = None
+    #: a node or state whose bound (tail_replay/provenance.py) is at most this counts as exact
+    #: in the "approximate" mode (float noise of the linear state, relative); 0: only bound 0
+    exact_threshold: float = 1e-5
+    #: live quality audit (tail_replay/audit.py): the share of approximate answers (provenance not
+    #: exact) re-run as an exact prefill in the background, whose next-token distribution is compared
+    #: with the served one; 0: off
+    audit_rate: float = 0.0
+    #: whether a request may set `audit` / `repair` itself (each buys a full-vocabulary
+    #: log-softmax or an extra exact prefill); false: such a request gets a 400
+    allow_request_audit_repair: bool = False
+    #: which stored state is freed first when the state pool is full (one of `STATE_ORDERS`, whose
+    #: comment says what each keeps; tail_replay/state_order.py)
+    state_order: str = "auto"
+    #: "exact_unless_pressed": the load thresholds and tolerance (JSON object; pressure.py)
+    pressure: PressurePolicy | None = None
+    #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
+    profile: DecayProfile | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
         _check(0.0 <= self.exact_threshold < 1.0, "exact_threshold",
                f"must be in [0, 1), got {self.exact_threshold}")
         _check(0.0 <= self.audit_rate <= 1.0, "audit_rate", f"must be in [0, 1], got {self.audit_rate}")
-        _check(self.repair_kind in REPAIR_KINDS, "repair_kind",
-               f"must be one of {REPAIR_KINDS}, got {self.repair_kind!r}")
         _check(self.state_order in STATE_ORDERS, "state_order", f"must be one of {STATE_ORDERS}, got {self.state_order!r}")
         if self.pressure is not None and not isinstance(self.pressure, PressurePolicy):
             object.__setattr__(self, "pressure", parse_policy(self.pressure, TailReplayConfigError))
-        _check(self.exactness != "exact_unless_pressed" or self.pressure is not None, "exactness",
+        _check(self.knobs.exactness != "exact_unless_pressed" or self.pressure is not None, "exactness",
                "needs the 'pressure' thresholds")
+
+
+@dataclass(frozen=True)
+class BackgroundRun:
+    """The server's mark on a run it sends itself (an audit's reference, a repair): set out of band
+    in the tokenizer process (`BACKGROUND_PARAM_KEY`), never parsed from a client."""
+
+    #: the rid of the request this run is the audit reference for (never audited itself)
+    audit_of: str | None = None
+    #: the rid of the request being repaired (never repaired or audited itself)
+    repair_of: str | None = None
+    #: what a repair run repairs (one of `REPAIR_KINDS`)
+    repair_kind: str = "answer"
+    #: the knobs the run runs with (exact reuse only, ...), as (name, value) pairs
+    knobs: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(self.repair_kind in REPAIR_KINDS, "repair_kind",
+               f"must be one of {REPAIR_KINDS}, got {self.repair_kind!r}")
+
+    @classmethod
+    def from_mark(cls, mark: object) -> BackgroundRun:
+        """The run from its mark (a JSON object: `audit_of` or `repair_of`, `repair_kind`, and the
+        knob values the run needs); TailReplayConfigError naming what is wrong."""
+        if not isinstance(mark, dict):
+            raise TailReplayConfigError(f"custom_params[{BACKGROUND_PARAM_KEY!r}] must be a JSON object")
+        _check(any(mark.get(key) is not None for key in ("audit_of", "repair_of")), BACKGROUND_PARAM_KEY,
+               "a background run names the request it is for (audit_of or repair_of)")
+        unknown = sorted(set(mark) - set(KNOB_KEYS) - set(BACKGROUND_FIELDS))
+        _check(not unknown, BACKGROUND_PARAM_KEY, f"unknown fields {unknown}")
+        _check_types({k: v for k, v in mark.items() if k in KNOB_KEYS}, KNOB_KEYS)
+        knobs = tuple((k, v) for k, v in mark.items() if k in KNOB_KEYS)
+        Knobs(**dict(knobs))   # the values must make valid knobs (their checks name the key)
+        return cls(knobs=knobs, **{k: mark[k] for k in BACKGROUND_FIELDS if k in mark})
+
+    def as_mark(self) -> dict:
+        """The mark as the tokenizer process puts it in the run's `custom_params`."""
+        mark: dict = {"repair_kind": self.repair_kind, **dict(self.knobs)}
+        if self.audit_of is not None:
+            mark["audit_of"] = self.audit_of
+        if self.repair_of is not None:
+            mark["repair_of"] = self.repair_of
+        return mark
+
+
+@dataclass(frozen=True)
+class TailReplayConfig:
+    """The resolved view one request runs with (derived, never parsed): the server's config, its
+    knobs after the request's options (or its background run's), the request's own `audit`, the
+    background run it is (None for traffic) and the pressure thresholds met at its arrival.
+    Made by `resolve`; `server_config()` is the view of a request that sets nothing."""
+
+    server: ServerConfig = field(default_factory=ServerConfig)
+    knobs: Knobs = field(default_factory=Knobs)
+    audit: bool = False
+    run: BackgroundRun | None = None
+    #: the thresholds the request's pressure stamp says were met at its arrival (out of band)
+    pressed_by: tuple[str, ...] = ()
 
     @property
     def strict(self) -> bool:
-        """`exactness: "exact"`: only strictly exact nodes and states are reused."""
-        return self.exactness == "exact" or (self.exactness == "exact_unless_pressed" and not self.pressed_by)
+        """`exactness: "exact"` (or "exact_unless_pressed" not pressed): only strictly exact nodes
+        and states are reused."""
+        exactness = self.knobs.exactness
+        return exactness == "exact" or (exactness == "exact_unless_pressed" and not self.pressed_by)
 
     @property
     def exact_first(self) -> bool:
         """`exactness: "exact_first"`: an exact state on the matched path is always taken."""
-        return self.exactness == "exact_first"
+        return self.knobs.exactness == "exact_first"
 
     @property
     def background(self) -> bool:
         """A run the server sent itself (an audit's reference, a repair): not traffic."""
-        return self.audit_of is not None or self.repair_of is not None
+        return self.run is not None
+
+    @property
+    def audit_of(self) -> str | None:
+        return None if self.run is None else self.run.audit_of
+
+    @property
+    def repair_of(self) -> str | None:
+        return None if self.run is None else self.run.repair_of
+
+    @property
+    def repair_kind(self) -> str | None:
+        return None if self.run is None else self.run.repair_kind
 
     @property
     def threshold(self) -> float:
         """The bound up to which a node counts as exact for this config (0 in the exact mode)."""
-        return 0.0 if self.strict else self.exact_threshold
+        return 0.0 if self.strict else self.server.exact_threshold
 
+    def replaced(self, **settings: Any) -> TailReplayConfig:
+        """The same view with some settings otherwise (checked), each to the part that owns it: a
+        knob changes what this request runs with, a server key the server config it sees."""
+        _check_known(settings, BACKGROUND_FIELDS)
+        knobs = {k: v for k, v in settings.items() if k in KNOB_KEYS}
+        server = {k: v for k, v in settings.items() if k in SERVER_KEYS + ("profile",)}
+        view = replace(self, knobs=replace(self.knobs, **knobs)) if knobs else self
+        view = replace(view, server=replace(view.server, **server)) if server else view
+        if "audit" in settings or "pressed_by" in settings:
+            view = replace(view, audit=bool(settings.get("audit", view.audit)),
+                           pressed_by=tuple(settings.get("pressed_by", view.pressed_by)))
+        marks = {k: v for k, v in settings.items() if k in BACKGROUND_FIELDS}
+        if marks:
+            view = replace(view, run=replace(view.run or BackgroundRun(), **marks))
+        return view
+
+    @classmethod
+    def of(cls, **settings: Any) -> TailReplayConfig:
+        """A view from flat settings (Python callers and tests): each key goes to the part that owns
+        it (knobs, server keys, `audit`, the background run's fields, `pressed_by`)."""
+        _check_known(settings, BACKGROUND_FIELDS)
+        knobs = Knobs(**{k: v for k, v in settings.items() if k in KNOB_KEYS})
+        server = ServerConfig(knobs=knobs, **{k: v for k, v in settings.items() if k in SERVER_KEYS + ("profile",)})
+        marks = {k: v for k, v in settings.items() if k in BACKGROUND_FIELDS}
+        run = BackgroundRun(**marks) if any(marks.get(k) is not None for k in ("audit_of", "repair_of")) else None
+        return cls(server=server, knobs=knobs, audit=bool(settings.get("audit", False)), run=run,
+                   pressed_by=tuple(settings.get("pressed_by", ())))
+
+
+def resolve(server: ServerConfig, options: RequestOptions | None = None,
+            run: BackgroundRun | None = None, pressed_by: tuple[str, ...] = ()) -> TailReplayConfig:
+    """The view a request runs with: the server's knobs, then its options, then its background
+    run's knobs (a run's own values win: it is exact whatever its origin asked)."""
+    knobs = server.knobs if options is None else options.applied_to(server.knobs)
+    if run is not None and run.knobs:
+        knobs = replace(knobs, **dict(run.knobs))
+    return TailReplayConfig(server=server, knobs=knobs, audit=options is not None and options.audit,
+                            run=run, pressed_by=pressed_by)
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+#: the keys of each part (the config's and a request's legality follow from who owns a key)
+KNOB_KEYS = _field_names(Knobs)
+SERVER_KEYS = tuple(k for k in _field_names(ServerConfig) if k not in ("knobs", "profile"))
+REQUEST_KEYS = KNOB_KEYS + ("audit",)
+#: the server's marks on its own background runs: set out of band (`BACKGROUND_PARAM_KEY`), never
+#: by a client or a server config
+BACKGROUND_FIELDS = ("audit_of", "repair_of", "repair_kind")
+#: `custom_params` key of the server's mark on its own background runs (`BackgroundRun.as_mark`);
+#: refused from a client, set in the tokenizer process after the request's fields were validated
+#: (patches/tail_replay/request.py)
+BACKGROUND_PARAM_KEY = "tail_replay_background"
+#: the server config knob that allows a request's `audit` / `repair` (and `repair_shared: true`)
+ALLOW_KNOB = "allow_request_audit_repair"
 
 _TYPES: dict[str, type | tuple[type, ...]] = {
     "budget": (int, float, str), "min_replay_tokens": int, "max_replay_tokens": int,
     "min_match_tokens": int, "keep_checkpoints": bool, "kv_mode": str,
     "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
     "exactness": str, "exact_threshold": (int, float), "audit_rate": (int, float), "audit": bool,
-    "state_order": str, "repair": bool, "repair_shared": bool, "allow_request_audit_repair": bool, "pressure": dict}
-#: keys a request may not set (a file path, what counts as exact, how much of its traffic is
-#: audited, whether requests may ask for background runs and the state pool's eviction order are
-#: the server's business)
-_SERVER_ONLY = ("decay_profile", "exact_threshold", "audit_rate", "state_order", "allow_request_audit_repair", "pressure")
-#: keys only a request sets (what happens to one request)
-_REQUEST_ONLY = ("audit",)
-#: keys a request sets only where the server allows it (`allow_request_audit_repair`)
-_ALLOWED_BY_SERVER = ("audit", "repair")
-#: keys a request may turn off (cheaper), but turn on only where the server allows it
-#: (`allow_request_audit_repair`: each repair buys an extra exact prefill)
-_OFF_BY_REQUEST = ("repair_shared",)
-#: the server's marks on its own background runs: set out of band (`BACKGROUND_PARAM_KEY`), never
-#: by a client or a server config
-BACKGROUND_FIELDS = ("audit_of", "repair_of", "repair_kind")
-#: `custom_params` key of the server's mark on its own background runs (`BACKGROUND_FIELDS` and the
-#: config values the run needs); refused from a client, set in the tokenizer process after the
-#: request's fields were validated (patches/tail_replay/request.py)
-BACKGROUND_PARAM_KEY = "tail_replay_background"
-#: the config knob that allows `_ALLOWED_BY_SERVER` (and `_OFF_BY_REQUEST` set to true)
-ALLOW_KNOB = "allow_request_audit_repair"
+    "state_order": str, "repair": bool, "repair_shared": bool, "allow_request_audit_repair": bool,
+    "pressure": dict}
 
 
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise TailReplayConfigError(f"tail-replay config key {key!r}: {message}")
+def _check_known(settings: dict, more: tuple[str, ...] = ()) -> None:
+    unknown = sorted(set(settings) - set(KNOB_KEYS) - set(SERVER_KEYS) - {"audit", "pressed_by", "profile"} - set(more))
+    _check(not unknown, ", ".join(unknown), "unknown key")
 
 
-#: the defaults (what a server without `--tail-replay-config` runs with)
-DEFAULTS = TailReplayConfig()
-
-
-def _check_fields(raw: dict, where: str) -> None:
-    known = set(_TYPES)
-    for key in BACKGROUND_FIELDS:
-        _check(key not in raw, key, f"is set by the server on its own background runs; {where} cannot set it")
+def _check_types(raw: dict, known: tuple[str, ...]) -> None:
     for key, value in raw.items():
         _check(key in known, key, f"unknown key; known keys: {sorted(known)}")
         expected = _TYPES[key]
@@ -244,52 +351,41 @@ def _check_fields(raw: dict, where: str) -> None:
         _check(isinstance(value, expected) and not wrong_bool, key, f"has the wrong type ({value!r})")
 
 
-def _with_profile(config: TailReplayConfig) -> TailReplayConfig:
-    """Read the profile `decay_profile` names (once per process and path)."""
-    if config.decay_profile is None:
-        return config
+#: the defaults (what a server without `--tail-replay-config` runs with, for a request that sets
+#: nothing)
+DEFAULTS = TailReplayConfig()
+
+
+def server_from_dict(raw: dict) -> ServerConfig:
+    """The server's config from its JSON object (knob defaults and server keys)."""
+    for key in BACKGROUND_FIELDS:
+        _check(key not in raw, key, "is set by the server on its own background runs; a server config cannot set it")
+    _check("audit" not in raw, "audit", "is a per-request key; a server config cannot set it")
+    _check_types(raw, KNOB_KEYS + SERVER_KEYS)
+    server = ServerConfig(knobs=Knobs(**{k: v for k, v in raw.items() if k in KNOB_KEYS}),
+                          **{k: v for k, v in raw.items() if k in SERVER_KEYS})
+    if server.decay_profile is None:
+        return server
     try:
-        return replace(config, profile=load_profile(config.decay_profile))
+        return replace(server, profile=load_profile(server.decay_profile))
     except DecayProfileError as exc:
         raise TailReplayConfigError(f"tail-replay config key 'decay_profile': {exc}") from None
 
 
 def config_from_dict(raw: dict) -> TailReplayConfig:
-    """The server's config from its JSON object."""
-    _check_fields(raw, "a server config")
-    for key in _REQUEST_ONLY:
-        _check(key not in raw, key, "is a per-request key; a server config cannot set it")
-    return _with_profile(TailReplayConfig(**raw))
+    """The view of a request that sets nothing, on the server configured by `raw`."""
+    return resolve(server_from_dict(raw))
 
 
-def user_settings(config: TailReplayConfig) -> dict:
-    """The config's server keys and values as a user writes them (no derived fields, no per-request
-    keys)."""
-    return {name: (v.as_dict() if isinstance(v := getattr(config, name), PressurePolicy) else v)
-            for name in _TYPES if name not in _REQUEST_ONLY}
-
-
-def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfig:
-    """`base` with a request's overrides applied; raises TailReplayConfigError naming the key."""
-    if overrides is None:
-        return base
-    if not isinstance(overrides, dict):
-        raise TailReplayConfigError(f"custom_params[{REQUEST_PARAM_KEY!r}] must be a JSON object")
-    _check_fields(overrides, "a request")
-    for key in _SERVER_ONLY:
-        _check(key not in overrides, key, "is a server setting; a request cannot set it")
-    for key in _ALLOWED_BY_SERVER:
-        _check(key not in overrides or base.allow_request_audit_repair, key,
-               f"is refused on this server: per-request audit and repair are off (server config key "
-               f"{ALLOW_KNOB!r} is false)")
-    for key in _OFF_BY_REQUEST:
-        _check(overrides.get(key) is not True or base.allow_request_audit_repair, key,
-               f"true is refused on this server: per-request audit and repair are off (server config key "
-               f"{ALLOW_KNOB!r} is false); a request may only set it to false")
-    config = replace(base, **overrides)
-    _check(config.budget != AUTO or config.profile is not None, "budget",
-           f"{AUTO!r} needs the model's decay profile, and this server has none")
-    return config
+def user_settings(config: TailReplayConfig | ServerConfig) -> dict:
+    """The server config's keys and values as a user writes them (knob defaults and server keys;
+    no derived fields, no request options)."""
+    server = config.server if isinstance(config, TailReplayConfig) else config
+    settings: dict = {name: getattr(server.knobs, name) for name in KNOB_KEYS}
+    for name in SERVER_KEYS:
+        value = getattr(server, name)
+        settings[name] = value.as_dict() if isinstance(value, PressurePolicy) else value
+    return settings
 
 
 @functools.lru_cache(maxsize=4)
@@ -307,7 +403,7 @@ def server_config() -> TailReplayConfig:
 def parse_config(text: str | None) -> TailReplayConfig:
     """Parse a JSON object, or the path of a JSON file; None or '' gives the defaults."""
     if not text:
-        return TailReplayConfig()
+        return DEFAULTS
     source = text
     if not text.lstrip().startswith("{"):
         path = Path(text)
@@ -327,7 +423,7 @@ def with_model_profile(text: str | None, model_path: str) -> str | None:
     """The config text, plus `decay_profile` = the model folder's decay.json when the config names
     none and the folder has one (so `budget: "auto"` works, also per request); else `text`."""
     config = parse_config(text)
-    path = default_profile_path(model_path) if config.decay_profile is None else None
+    path = default_profile_path(model_path) if config.server.decay_profile is None else None
     if path is None:
         return text
     settings = {k: v for k, v in user_settings(config).items() if v is not None}

@@ -11,6 +11,7 @@ every insert (`insert_provenance.InsertContext`), for requests whose provenance 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
 from sglang_ext.tail_replay.insert_provenance import tracks
 from sglang_ext.tail_replay.own_tail import OwnTailClaims
-from sglang_ext.tail_replay.request import record_of
+from sglang_ext.tail_replay.request import owns_tail, record_of
 
 
 class KvPastTheState:
@@ -61,7 +62,7 @@ class KvPastTheState:
         params = InsertParams(key=key, value=values, prev_prefix_len=req.kv.cache_protected_len,
                               inserted_len=req.kv.cache_inserted_len, priority=req.priority or 0,
                               session_id=req.session_id, rotation_base=req.kv_rotation_base)
-        with self.claims.claiming(req):
+        with self.claims.claiming(req) if owns_tail(record_of(req)) else nullcontext():
             result = cache.insert(params)
         if result.rotation_tail_declined:
             return

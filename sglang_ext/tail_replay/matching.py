@@ -19,7 +19,6 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.base import LRURefreshPhase
 
-from sglang_ext.tail_replay import own_tail
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, exact_fallback, plan_replay, pressure_config, refused
 from sglang_ext.tail_replay.provenance import PathProvenance
@@ -138,7 +137,7 @@ class MatchPlanner:
         start_state = exact_state if plan.kind is HitKind.EXACT_CHECKPOINT else approx_state
         return Planned(plan, start_state, prov, last_node, path)
 
-    def apply(self, req: Any, result: MatchResult, host: HostTierCache, repair: SharedRepairRules) -> MatchResult:
+    def apply(self, req: Any, result: MatchResult, host: HostTierCache | None, repair: SharedRepairRules) -> MatchResult:
         """Plan the request's hit; SGLang's match result is rewritten to the plan's prefix. With
         HiCache, the host tier is used where it makes the prefix longer (the plan then runs over
         the device + host KV hit) or holds the state a checkpoint plan starts from; SGLang's
@@ -147,8 +146,7 @@ class MatchPlanner:
         record = self.record(req)
         record.begin_match(len(req.origin_input_ids) + len(req.output_ids))
         device_len = result.device_prefix_len
-        record.host_load = None
-        if result.host_hit_length > 0:
+        if host is not None and result.host_hit_length > 0:
             path = self.matched_path(result.best_match_node)
             planned = self.plan(record, device_len + result.host_hit_length, path, result.best_match_node)
             if planned.plan.prefix_len > device_len:
@@ -159,14 +157,13 @@ class MatchPlanner:
             path = self.matched_path(result.last_device_node)
         planned = self.plan(record, device_len, path, result.last_device_node)
         repair.note(record, planned, len(req.origin_input_ids))
-        if host.state_on_host(planned):
+        if host is not None and host.state_on_host(planned):
             return host.apply_host_plan(req, record, result, planned)
         plan, start_state, prov, last_node, path = planned
         config = record.config
         self.touch_start_state(planned)
-        record.set_plan(plan, *plan_carry(plan, start_state, prov, config.kv_mode))
-        record.kv_slots = tail_kv_slots(plan, config.kv_mode, path)
-        own_tail.begin(record, plan, config.kv_mode)   # recompute: the request keeps its tail KV
+        record.set_plan(plan, *plan_carry(plan, start_state, prov, config.knobs.kv_mode),
+                        kv_slots=tail_kv_slots(plan, config.knobs.kv_mode, path))
         if plan.from_checkpoint:
             last_node = start_state.node_id
         elif plan.kind is HitKind.MISS:

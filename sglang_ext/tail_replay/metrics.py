@@ -120,8 +120,7 @@ def record_plan(plan: ReplayPlan) -> None:
 def record_first_forward(record: TailReplayRequest) -> None:
     """At a request's forward: its plan into the counters, once per request (a retracted and
     re-matched request is not counted again)."""
-    if record.plan is not None and not record.recorded:
-        record.recorded = True
+    if record.plan is not None and record.first_time("plan_recorded"):
         if not record.config.background:   # an audit's reference or a repair run is not traffic
             record_plan(record.plan)
             pressure = pressure_summary(record)
@@ -136,7 +135,7 @@ def pressure_summary(record: TailReplayRequest) -> dict | None:
     "not_pressed") and the certified bound checked against the tolerance (`planned_bound`, None
     where no approximate plan was considered); None under the other modes."""
     config, plan = record.config, record.plan
-    if config.exactness != "exact_unless_pressed" or plan is None:
+    if config.knobs.exactness != "exact_unless_pressed" or plan is None:
         return None
     return {"pressed_by": list(config.pressed_by), "outcome": plan.pressure or "not_pressed",
             "planned_bound": plan.planned_bound}
@@ -166,9 +165,10 @@ def output_bound(record: TailReplayRequest, prompt_len: int, logprob_start: int 
 def output_provenance(record: TailReplayRequest, prompt_len: int, logprob_start: int = -1) -> tuple[float, bool]:
     """(bound, exact) of the request's output (`output_bound`, computed once per plan and kept in
     the record) and whether it counts as exact under the request's exactness."""
-    if record.output_bound is None:
-        record.output_bound = output_bound(record, prompt_len, logprob_start)
-    return record.output_bound, counts_exact(record.output_bound, record.threshold)
+    bound = record.output_bound
+    if bound is None:
+        bound = record.acc.output_bound = output_bound(record, prompt_len, logprob_start)
+    return bound, counts_exact(bound, record.threshold)
 
 
 def kv_exact(answer_bound: float) -> bool:
@@ -201,8 +201,7 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None, log
         summary["exact"] = exact
         summary["kv_exact"] = read_exact = kv_exact(answer_bound)
         summary["bound"] = answer_bound
-        if not record.exactness_recorded:
-            record.exactness_recorded = True
+        if record.first_time("exactness_recorded"):
             if not record.config.background and _this_rank_records():
                 _counters()["requests"].labels(exact=str(exact).lower()).inc()
                 _counters()["kv_exact"].labels(kv_exact=str(read_exact).lower()).inc()
@@ -213,9 +212,8 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None, log
     if record.plan.kind is not HitKind.APPROXIMATE:
         return summary
     if record.bound is None:
-        record.bound = summarize(record.tail_decay, record.plan.replayed_tokens)
-        if record.bound is not None and not record.bound_recorded:
-            record.bound_recorded = True
+        record.acc.bound = summarize(record.tail_decay, record.plan.replayed_tokens)
+        if record.bound is not None and record.first_time("bound_recorded"):
             record_bound(record.bound.state_bound)
     bound = record.bound
     summary["state_bound"] = None if bound is None else bound.state_bound
@@ -238,8 +236,7 @@ def answer_label(record: TailReplayRequest | None, prompt_len: int, logprob_star
     if record is not None and record.plan is not None and record.earlier_served_as is None:
         return replay_summary(record, prompt_len, logprob_start)
     kind = KIND_UNTRACKED if record is None else (record.earlier_served_as or record.served_as or KIND_UNTRACKED)
-    if record is not None and not record.exactness_recorded:
-        record.exactness_recorded = True
+    if record is not None and record.first_time("exactness_recorded"):
         if not record.config.background and _this_rank_records():
             _counters()["requests"].labels(exact="false").inc()
             _counters()["kv_exact"].labels(kv_exact="false").inc()
@@ -254,8 +251,7 @@ def record_bound(state_bound: float) -> None:
 def record_repair_finished(record: TailReplayRequest) -> None:
     """A repair run's final output (SGLang has inserted its sequence into the tree by then): counted
     once."""
-    if record.config.repair_of is not None and not record.repair_counted and _this_rank_records():
-        record.repair_counted = True
+    if record.config.repair_of is not None and _this_rank_records() and record.first_time("repair_counted"):
         _counters()["repairs"].labels(kind=record.config.repair_kind).inc()
 
 

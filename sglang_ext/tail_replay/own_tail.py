@@ -25,8 +25,10 @@ tokens" (allocated - protected) does not count them while the request runs; the 
 request running) is exact. SGLang's optional busy-time check (`SGLANG_ENABLE_STRICT_MEM_CHECK_
 DURING_BUSY`) would count them as missing.
 
-Hooks: `begin` at match (the match planner); the cache's `OwnTailClaims` part: `claiming` around
-`checkpoint_into_tree`, `insert` around `insert`, `release` in `on_release`.
+Hooks: the record sets `own_end` with each plan (`request.own_tail_end`); the cache asks its
+`OwnTailClaims` part only for a request that has one (`request.owns_tail`): `claiming` around
+`checkpoint_into_tree`, `insert` around `insert` while a claim is armed, `release` in `on_release`
+while the request holds own slots.
 """
 
 from __future__ import annotations
@@ -37,21 +39,9 @@ from typing import Any
 
 import torch
 
-from sglang_ext.tail_replay.planner import ReplayPlan
-from sglang_ext.tail_replay.request import TailReplayRequest, record_of
+from sglang_ext.tail_replay.request import own_tail_end, record_of
 
-
-def own_tail_end(plan: ReplayPlan | None, kv_mode: str) -> int | None:
-    """L when the request keeps its own recomputed KV for [prefix_len, L), else None (pure)."""
-    if kv_mode == "recompute" and plan is not None and plan.reuses_tail_kv:
-        return plan.matched_tokens
-    return None
-
-
-def begin(record: TailReplayRequest, plan: ReplayPlan, kv_mode: str) -> None:
-    """At match: record up to where the request's tail KV is its own. A request being matched
-    holds no own slots (they are freed when its row is released), so nothing is dropped here."""
-    record.own_end = own_tail_end(plan, kv_mode)
+__all__ = ["OwnTailClaims", "own_slots", "own_tail_end"]
 
 
 class OwnTailClaims:

@@ -88,22 +88,22 @@ class ReplayPlan:
 def replay_window(matched_len: int, config: TailReplayConfig) -> int:
     """W = clamp(ceil(budget * L), min_replay_tokens, max_replay_tokens); with budget "auto", the
     window the decay profile certifies for `tolerance` (none: max_replay_tokens), clamped alike."""
-    if config.budget == AUTO:
-        if config.profile is None:
-            raise ValueError("budget 'auto' needs a decay profile (config.profile)")
-        certified = certified_window(config.profile.decay(config.decay_percentile), config.tolerance)
-        wanted = config.max_replay_tokens if certified is None else certified
+    if config.knobs.budget == AUTO:
+        if config.server.profile is None:
+            raise ValueError("budget 'auto' needs a decay profile (config.server.profile)")
+        certified = certified_window(config.server.profile.decay(config.knobs.decay_percentile), config.knobs.tolerance)
+        wanted = config.knobs.max_replay_tokens if certified is None else certified
     else:
-        wanted = math.ceil(float(config.budget) * matched_len)
-    return min(max(wanted, config.min_replay_tokens), config.max_replay_tokens)
+        wanted = math.ceil(float(config.knobs.budget) * matched_len)
+    return min(max(wanted, config.knobs.min_replay_tokens), config.knobs.max_replay_tokens)
 
 
 def fresh_replay_bound(config: TailReplayConfig, window: int) -> float:
     """What a fresh replay of `window` tokens is expected to bound: d^W for the decay profile's
     slowest head at `decay_percentile`, or 1 (any bound) without a profile."""
-    if config.profile is None:
+    if config.server.profile is None:
         return 1.0
-    decay = config.profile.decay(config.decay_percentile)
+    decay = config.server.profile.decay(config.knobs.decay_percentile)
     return float(decay) ** window if decay < 1.0 else 1.0
 
 
@@ -111,7 +111,7 @@ def pressure_config(config: TailReplayConfig, custom_params: object) -> TailRepl
     """A request's config with its arrival stamp read (`pressed_by`), under `exact_unless_pressed`:
     the stamp the replica's first rank wrote is read, never the local load (every rank plans the
     same). Other modes, and requests without a stamp (fail closed), are left as they are."""
-    if config.exactness != "exact_unless_pressed":
+    if config.knobs.exactness != "exact_unless_pressed":
         return config
     return replace(config, pressed_by=read_stamp(custom_params))
 
@@ -140,13 +140,13 @@ def planned_bound(plan: ReplayPlan, config: TailReplayConfig, approximate_checkp
 def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
                 config: TailReplayConfig, approximate_checkpoint: tuple[int, float] | None = None) -> ReplayPlan:
     plan = _plan(matched_len, checkpoint_len, page_size, config, approximate_checkpoint)
-    if config.exactness != "exact_unless_pressed" or not config.pressed_by:
+    if config.knobs.exactness != "exact_unless_pressed" or not config.pressed_by:
         return plan
     if plan.state_is_exact:
         return replace(plan, pressure="exact")
-    assert config.pressure is not None   # config validation: "exact_unless_pressed" needs `pressure`
+    assert config.server.pressure is not None   # config validation: "exact_unless_pressed" needs `pressure`
     bound = planned_bound(plan, config, approximate_checkpoint)
-    verdict = "approximate" if bound <= config.pressure.tolerance else "beyond_tolerance"
+    verdict = "approximate" if bound <= config.server.pressure.tolerance else "beyond_tolerance"
     return replace(plan, pressure=verdict, planned_bound=bound)
 
 
@@ -155,7 +155,7 @@ def _plan(matched_len: int, checkpoint_len: int | None, page_size: int,
     window = replay_window(matched_len, config)
     if checkpoint_len is not None and matched_len - checkpoint_len <= window:
         return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
-    if matched_len == 0 or matched_len < config.min_match_tokens:
+    if matched_len == 0 or matched_len < config.knobs.min_match_tokens:
         if checkpoint_len:
             return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
         return ReplayPlan(HitKind.MISS, matched_len, 0, 0)

@@ -81,15 +81,15 @@ SHARED_REPAIR_RESEND_S = 60.0
 def repair_due(config: TailReplayConfig, *, exact: bool, finished: bool) -> bool:
     """Whether a request with this config, whose answer was `exact` or not, is repaired once it has
     `finished` (an aborted request is told apart in the tokenizer process, which sees the reason)."""
-    return finished and not exact and config.repair and not config.background and not config.strict
+    return finished and not exact and config.knobs.repair and not config.background and not config.strict
 
 
 def shared_repair_due(config: TailReplayConfig, *, bound: float, branches: int) -> bool:
     """Whether a request with this config, whose matched path's deepest state has this `bound` and
     below which the tree branches `branches` ways before any other state, asks for that state's
     shared-state repair."""
-    return (config.repair_shared and not config.background and branches >= 2
-            and not counts_exact(bound, config.exact_threshold))
+    return (config.knobs.repair_shared and not config.background and branches >= 2
+            and not counts_exact(bound, config.server.exact_threshold))
 
 
 def branch_repair_due(config: TailReplayConfig, *, approximate: bool, branches_here: bool,
@@ -99,7 +99,7 @@ def branch_repair_due(config: TailReplayConfig, *, approximate: bool, branches_h
     (`branches_here`: another request's prompt and this one's both go on, differently), asks at its own match for the
     exact state at its branch point; only where the server keeps branch-point states as stock
     SGLang's extra buffer does (`keeps_branch_states`)."""
-    return (config.repair_shared and not config.background and approximate and branches_here
+    return (config.knobs.repair_shared and not config.background and approximate and branches_here
             and keeps_branch_states)
 
 

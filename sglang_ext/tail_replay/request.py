@@ -4,6 +4,12 @@ SGLang's scheduler-side request (`Req`) carries it under a single attribute, `RE
 only through `record_of(req)` / `attach(req, config)`; nothing else of Tail-Replay is stored on the
 request. Pure: no SGLang import (the request is duck-typed), no torch import at run time.
 
+A record is the request's resolved config (`config.TailReplayConfig`), its planned hit
+(`PlannedHit`: frozen, replaced whole at each match by `set_plan`), the accumulator of what its
+answer reads beyond the plan (`BoundAccumulator`: a new one with each plan; the forward, the first
+output and an insert overlap add to it), what was done once (`first_time`, `ONCE`) and the
+request's own lifecycle marks.
+
 Life of a record (scheduler process):
 - created at the request's first prefix match (`tail_replay.cache`), with the request's config
   resolved once (server config + `custom_params["tail_replay"]`, and on the server's own background
@@ -17,6 +23,7 @@ Life of a record (scheduler process):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,50 +62,72 @@ class HostLoad:
     state_node: object = None
 
 
-@dataclass
-class TailReplayRequest:
-    """Mutable per-request state (one per request, scheduler process)."""
+@dataclass(frozen=True)
+class PlannedHit:
+    """How a request's prefix hit is reused, fixed at its (re-)match (`TailReplayRequest.set_plan`);
+    replaced whole, never edited."""
 
-    #: the request's config: the server's, with its `custom_params["tail_replay"]` overrides
-    config: TailReplayConfig
-    #: how its prefix hit is reused (set at match; None before the first match)
-    plan: ReplayPlan | None = None
+    plan: ReplayPlan
     #: exact KV mode: the tree's KV slots of the replayed tail [plan.prefix_len, plan.matched_tokens)
+    #: (a host plan learns them at its load-back: `TailReplayRequest.loaded`)
     kv_slots: torch.Tensor | None = None
-    #: whether the plan went into the metrics already (once per request, at its first forward)
-    recorded: bool = False
-    #: set by `prepare_for_caching_req`, read and reset by `cleanup_after_caching_req`: the
-    #: request's state was kept out of the tree
-    state_withheld: bool = False
+    #: HiCache: the plan's prefix reaches into KV held on the host tier, which SGLang's load-back
+    #: brings to the device at admission (`TailReplayRadixCache.init_load_back`, which takes it)
+    host_load: HostLoad | None = None
     #: kv_mode "recompute": up to where the request's tail KV is its own (L), else None
     own_end: int | None = None
-    #: kv_mode "recompute": (first position, KV slots) the request holds as its own tail
-    own_kv: tuple[int, torch.Tensor] | None = None
+
+
+@dataclass
+class BoundAccumulator:
+    """What the request's answer reads beyond its plan, accumulated from its match on (a new one
+    with every plan). May be mutated by: the forward's gate hooks (`tail_decay`, `carry`'s rows),
+    the first output (`bound`, `output_bound`), an insert overlap that hands it inexact tree KV
+    (`floor`)."""
+
     #: approximate plans: the replayed tail's summed log-decay per linear layer, added by the
-    #: forward (`patches/tail_replay/linear_bound.py`, every linear kind's gates) chunk by chunk;
-    #: replaced with the plan at every match
+    #: forward (`patches/tail_replay/linear_bound.py`, every linear kind's gates) chunk by chunk
     tail_decay: TailDecay = field(default_factory=TailDecay)
-    #: the state bound computed from `tail_decay` at the first output (`metrics.replay_summary`)
-    bound: StateBound | None = None
-    #: whether the bound went into the histogram (once per request)
-    bound_recorded: bool = False
     #: provenance (tail_replay/provenance.py): the per-position bound of what the request computes
     #: after an approximate start (a replay, or a checkpoint of bound > 0); None: its state is
     #: strictly exact. Set at match, filled by the forward's gate hooks.
     carry: CarryBound | None = None
-    #: 0, or TAINT when the request reads KV of bound > 0 (set at match)
+    #: 0, or TAINT when the request reads KV of bound > 0 (set at match, raised by an overlap)
     floor: float = 0.0
-    #: whether the request's outcome (exact or not) went into the counters (once per request)
-    exactness_recorded: bool = False
+    #: the state bound computed from `tail_decay` at the first output (`metrics.replay_summary`)
+    bound: StateBound | None = None
     #: the bound of the last prompt position (computed at the first output, `metrics.replay_summary`)
     output_bound: float | None = None
-    #: live quality audit (tail_replay/audit.py): whether the decision was made (once, at the forward
-    #: that gives the first output, `patches/tail_replay/audit.py`), and why the request is audited
-    #: ("forced" / "sampled"; None: not audited), set once its served distribution is kept
-    audit_decided: bool = False
+
+
+#: what a request does at most once (`TailReplayRequest.first_time`): its plan into the metrics
+#: (at its first forward), its bound into the histogram, its outcome into the counters, the audit
+#: decision (at the forward that gives its first output), a repair run's finish into the counters
+ONCE = ("plan_recorded", "bound_recorded", "exactness_recorded", "audit_decided", "repair_counted")
+
+
+@dataclass
+class TailReplayRequest:
+    """Everything the wing keeps about one request (scheduler process): its resolved config, its
+    planned hit (frozen, replaced at each match), the bound accumulator of what it reads, the
+    things done once, and the request's own lifecycle marks."""
+
+    #: the request's config: the server's, with its `custom_params["tail_replay"]` options
+    config: TailReplayConfig
+    #: how its prefix hit is reused (None before the first match, or after `drop_plan`)
+    hit: PlannedHit | None = None
+    #: what its answer reads beyond the plan (a new one with every plan)
+    acc: BoundAccumulator = field(default_factory=BoundAccumulator)
+    #: which of `ONCE` were done
+    done: set[str] = field(default_factory=set)
+    #: set by `prepare_for_caching_req`, read and reset by `cleanup_after_caching_req`: the
+    #: request's state was kept out of the tree
+    state_withheld: bool = False
+    #: kv_mode "recompute": (first position, KV slots) the request holds as its own tail
+    own_kv: tuple[int, torch.Tensor] | None = None
+    #: live quality audit (tail_replay/audit.py): why the request is audited ("forced" /
+    #: "sampled"; None: not audited), set once its served distribution is kept
     audit: str | None = None
-    #: a repair run (tail_replay/repair.py): whether its finish went into the counters
-    repair_counted: bool = False
     #: shared-state repair (tail_replay/repair.py): the prefix length whose exact state this
     #: request asks for (set at a match, at most once; sent with its first output, then None)
     shared_repair: int | None = None
@@ -107,9 +136,6 @@ class TailReplayRequest:
     #: off the tree there (`SharedRepairRules.note`; read by the state order's stock
     #: shadow at the request's inserts, `StockLastOrder._stock_inserts`). Set at a match, kept.
     stock_branch_depth: int | None = None
-    #: HiCache: the plan's prefix reaches into KV held on the host tier, which SGLang's load-back
-    #: brings to the device at admission (`TailReplayRadixCache.init_load_back`); set at every match
-    host_load: HostLoad | None = None
     #: the length of the sequence the last match planned: the prompt, or after a retraction the
     #: prompt and the output so far (its next token is computed from the last position); None:
     #: not matched yet (`begin_match`)
@@ -128,6 +154,52 @@ class TailReplayRequest:
     #: (`label_transfer.decode_side_label`; fail closed where none was readable), which
     #: `metrics.answer_label` returns; None on every other server
     carried_label: dict | None = None
+
+    # ---- the planned hit, read ------------------------------------------------------------------
+    @property
+    def plan(self) -> ReplayPlan | None:
+        return None if self.hit is None else self.hit.plan
+
+    @property
+    def kv_slots(self) -> torch.Tensor | None:
+        return None if self.hit is None else self.hit.kv_slots
+
+    @property
+    def host_load(self) -> HostLoad | None:
+        return None if self.hit is None else self.hit.host_load
+
+    @property
+    def own_end(self) -> int | None:
+        return None if self.hit is None else self.hit.own_end
+
+    # ---- the accumulator, read (written through `acc`) ------------------------------------------
+    @property
+    def carry(self) -> CarryBound | None:
+        return self.acc.carry
+
+    @property
+    def floor(self) -> float:
+        return self.acc.floor
+
+    @property
+    def tail_decay(self) -> TailDecay:
+        return self.acc.tail_decay
+
+    @property
+    def bound(self) -> StateBound | None:
+        return self.acc.bound
+
+    @property
+    def output_bound(self) -> float | None:
+        return self.acc.output_bound
+
+    def first_time(self, what: str) -> bool:
+        """True the first time `what` (one of `ONCE`) is asked of this request, then False."""
+        assert what in ONCE, what
+        if what in self.done:
+            return False
+        self.done.add(what)
+        return True
 
     @property
     def strict(self) -> bool:
@@ -156,22 +228,34 @@ class TailReplayRequest:
                 self.earlier_served_as = self.earlier_served_as or self.served_as
         self.label_end = sequence_len
 
-    def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0) -> None:
-        """A (re-)match: the new plan and provenance, with the bounds' accumulators emptied."""
-        self.plan = plan
+    def set_plan(self, plan: ReplayPlan, carry: CarryBound | None = None, floor: float = 0.0, *,
+                 kv_slots: torch.Tensor | None = None, host_load: HostLoad | None = None) -> None:
+        """A (re-)match: the new planned hit, and a new accumulator holding its provenance."""
+        self.hit = PlannedHit(plan, kv_slots, host_load, own_tail_end(plan, self.config.knobs.kv_mode))
+        self.acc = BoundAccumulator(carry=carry, floor=floor)
         self.served_as = None
-        self.tail_decay = TailDecay()
-        self.bound = None
-        self.carry = carry
-        self.floor = floor
-        self.output_bound = None
+
+    def loaded(self, kv_slots: torch.Tensor | None) -> None:
+        """A host plan's load-back brought its prefix to the device: the planned hit reads the
+        tail's KV slots off the loaded path, and loads nothing more."""
+        assert self.hit is not None
+        self.hit = dataclasses.replace(self.hit, kv_slots=kv_slots, host_load=None)
+
+    def take_host_load(self) -> HostLoad | None:
+        """The planned hit's host load, once (the load-back runs it)."""
+        load = self.host_load
+        if load is not None:
+            assert self.hit is not None
+            self.hit = dataclasses.replace(self.hit, host_load=None)
+        return load
 
     def drop_plan(self, served_as: str = KIND_UNTRACKED) -> None:
         """The request is served some other way than its plan (another wing took over after the
         match, e.g. assembling cached chunks: `served_as` "assembled"), or from what has no known
         provenance ("untracked"): no plan, no tail slots, no provenance carry. Its answer is
         labelled not exact, of kind `served_as` (`metrics.answer_label`)."""
-        self.plan, self.kv_slots, self.own_end, self.carry = None, None, None, None
+        self.hit = None
+        self.acc = dataclasses.replace(self.acc, carry=None)
         self.served_as = served_as
 
     def withhold_state(self) -> None:
@@ -193,6 +277,20 @@ def attach(req: Any, config: TailReplayConfig) -> TailReplayRequest:
         record = TailReplayRequest(config=config)
         setattr(req, RECORD_ATTR, record)
     return record
+
+
+def own_tail_end(plan: ReplayPlan | None, kv_mode: str) -> int | None:
+    """L when a request planned `plan` keeps its own recomputed KV for [prefix_len, L) (`kv_mode:
+    "recompute"` with a replayed tail; `own_tail`), else None (pure)."""
+    if kv_mode == "recompute" and plan is not None and plan.reuses_tail_kv:
+        return plan.matched_tokens
+    return None
+
+
+def owns_tail(record: TailReplayRequest | None) -> bool:
+    """Whether the request keeps its own recomputed tail KV (`kv_mode: "recompute"`: its caching's
+    inserts claim it, `own_tail.OwnTailClaims`)."""
+    return record is not None and record.own_end is not None
 
 
 def plan_of(req: Any) -> ReplayPlan | None:
@@ -229,4 +327,4 @@ def computed_from(record: TailReplayRequest | None) -> int:
     if record is None or record.plan is None:
         return 0
     plan = record.plan
-    return plan.matched_tokens if plan.reuses_tail_kv and record.config.kv_mode == "exact" else plan.prefix_len
+    return plan.matched_tokens if plan.reuses_tail_kv and record.config.knobs.kv_mode == "exact" else plan.prefix_len

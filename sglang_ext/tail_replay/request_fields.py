@@ -8,23 +8,83 @@ config itself, its keys and their checks live in `config.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from sglang_ext.tail_replay.config import (
-    _TYPES,
+    ALLOW_KNOB,
+    AUTO,
     BACKGROUND_FIELDS,
     BACKGROUND_PARAM_KEY,
-    DEFAULTS,
+    REQUEST_KEYS,
     REQUEST_PARAM_KEY,
+    SERVER_KEYS,
+    BackgroundRun,
+    Knobs,
+    ServerConfig,
     TailReplayConfig,
     TailReplayConfigError,
     _check,
-    with_overrides,
+    _check_types,
 )
 from sglang_ext.tail_replay.pressure import PRESSURE_PARAM_KEY
 
 #: how the fields a request can set are named in errors
 CUSTOM_PARAMS_FIELD = "sampling_params.custom_params"
 OVERRIDES_FIELD = f"{CUSTOM_PARAMS_FIELD}[{REQUEST_PARAM_KEY!r}]"
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Exactly what a client may send for its request (`custom_params["tail_replay"]`), checked
+    against the server's config on arrival (`RequestOptions.parse`)."""
+
+    #: the knobs it sets, as (name, value) pairs
+    knobs: tuple[tuple[str, Any], ...] = ()
+    #: audit this request whatever it was (exact or not); only on a server with
+    #: `allow_request_audit_repair`
+    audit: bool = False
+
+    @classmethod
+    def parse(cls, raw: object, server: ServerConfig) -> RequestOptions:
+        """A client's `custom_params["tail_replay"]` object; TailReplayConfigError naming the key
+        when it is not a request option, has the wrong type or is refused on this server."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, dict):
+            raise TailReplayConfigError(f"custom_params[{REQUEST_PARAM_KEY!r}] must be a JSON object")
+        for key in BACKGROUND_FIELDS:
+            _check(key not in raw, key, "is set by the server on its own background runs; a request cannot set it")
+        for key in raw:
+            _check(key not in SERVER_KEYS, key, "is a server setting; a request cannot set it")
+        _check_types(raw, REQUEST_KEYS)
+        allowed = server.allow_request_audit_repair
+        for key in ("audit", "repair"):
+            _check(key not in raw or allowed, key,
+                   f"is refused on this server: per-request audit and repair are off (server config key "
+                   f"{ALLOW_KNOB!r} is false)")
+        _check(raw.get("repair_shared") is not True or allowed, "repair_shared",
+               f"true is refused on this server: per-request audit and repair are off (server config key "
+               f"{ALLOW_KNOB!r} is false); a request may only set it to false")
+        options = cls(knobs=tuple((k, v) for k, v in raw.items() if k != "audit"), audit=bool(raw.get("audit", False)))
+        knobs = options.applied_to(server.knobs)
+        _check(knobs.budget != AUTO or server.profile is not None, "budget",
+               f"{AUTO!r} needs the model's decay profile, and this server has none")
+        _check(knobs.exactness != "exact_unless_pressed" or server.pressure is not None, "exactness",
+               "needs the 'pressure' thresholds")
+        return options
+
+    def applied_to(self, defaults: Knobs) -> Knobs:
+        return replace(defaults, **dict(self.knobs)) if self.knobs else defaults
+
+
+
+def with_overrides(base: TailReplayConfig, overrides: object) -> TailReplayConfig:
+    """`base` with a request's options applied (`RequestOptions.parse`); raises
+    TailReplayConfigError naming the key."""
+    if overrides is None:
+        return base
+    options = RequestOptions.parse(overrides, base.server)
+    return replace(base, knobs=options.applied_to(base.knobs), audit=options.audit)
 
 
 @dataclass(frozen=True)
@@ -64,9 +124,8 @@ def request_overrides(base: TailReplayConfig, custom_params: object,
     assert isinstance(custom_params, dict)
     client = {key: value for key, value in custom_params.items() if key != BACKGROUND_PARAM_KEY}
     config = _with_request_fields(base, client, limits)
-    if not isinstance(mark, dict):
-        raise TailReplayConfigError(f"{CUSTOM_PARAMS_FIELD}[{BACKGROUND_PARAM_KEY!r}] must be a JSON object")
-    return replace(config, **background_mark(mark))
+    run = BackgroundRun.from_mark(mark)
+    return replace(config, run=run, knobs=replace(config.knobs, **dict(run.knobs)))
 
 
 def _with_request_fields(base: TailReplayConfig, custom_params: object, limits: RequestLimits) -> TailReplayConfig:
@@ -94,13 +153,8 @@ def _with_request_fields(base: TailReplayConfig, custom_params: object, limits: 
     return config
 
 
-def background_mark(overrides: dict) -> dict:
-    """The mark the server puts on its own background run (`BACKGROUND_PARAM_KEY`): the config
-    values it runs with (`audit.reference_overrides`, `repair.repair_overrides`), checked where it
-    is made (a wrong one raises TailReplayConfigError) and again in the scheduler."""
-    _check(any(overrides.get(key) is not None for key in ("audit_of", "repair_of")), BACKGROUND_PARAM_KEY,
-           "a background run names the request it is for (audit_of or repair_of)")
-    unknown = sorted(set(overrides) - set(_TYPES) - set(BACKGROUND_FIELDS))
-    _check(not unknown, BACKGROUND_PARAM_KEY, f"unknown fields {unknown}")
-    replace(DEFAULTS, **overrides)   # the values must make a valid config (__post_init__ checks them)
-    return dict(overrides)
+def background_mark(mark: dict) -> dict:
+    """The mark the server puts on its own background run (`BACKGROUND_PARAM_KEY`): checked where it
+    is made (a wrong one raises TailReplayConfigError naming it: `BackgroundRun.from_mark`) and again
+    in the scheduler."""
+    return BackgroundRun.from_mark(mark).as_mark()

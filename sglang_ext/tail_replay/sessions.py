@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from sglang.srt.session.streaming_session import is_virtual_node
 
-from sglang_ext.tail_replay import own_tail, provenance
+from sglang_ext.tail_replay import provenance
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig
 from sglang_ext.tail_replay.insert_provenance import InsertContext
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
@@ -129,14 +129,11 @@ class StreamingTurns:
         request's record."""
         record = self.record_for(req)
         prov = self.table.get(session_id)
-        record.host_load = None
         if prov is None or len(prov.kv) < prefix:
             record.drop_plan()
             return
         plan, carry, floor = session_plan(prov, prefix, record.config)
         record.set_plan(plan, carry, floor)
-        record.kv_slots = None
-        own_tail.begin(record, plan, record.config.kv_mode)
 
     def claim_kv_row(self, req: Any, stock: Callable[[Any], bool]) -> bool:
         """A finished (or retracted) streaming turn leaves its row to its session: the session's

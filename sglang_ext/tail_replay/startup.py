@@ -60,7 +60,7 @@ def kv_cache_is_quantized(kv_cache_dtype: str) -> bool:
 def request_limits(config: TailReplayConfig, facts: ServerFacts) -> RequestLimits:
     """Which overrides this server refuses, and why (the reason goes into the HTTP 400)."""
     checkpoints = None
-    if not config.keep_checkpoints:
+    if not config.knobs.keep_checkpoints:
         checkpoints = ("it runs with the Tail-Replay config keep_checkpoints false, so its state pool "
                        "holds one slot per running request and has none for a checkpoint")
     exact = None
@@ -84,13 +84,13 @@ def check_start(config: TailReplayConfig, facts: ServerFacts) -> list[str]:
             f"--hicache-host-memory-mode {facts.hicache_host_memory_mode} cannot run with Tail-Replay's cache: "
             "its staging pipeline loads host KV outside the load-back the replay planner plans (the request's "
             "prefix would not be the plan's); use --hicache-host-memory-mode cache (the default)")
-    if config.kv_mode == "exact" and kv_cache_is_quantized(facts.kv_cache_dtype):
+    if config.knobs.kv_mode == "exact" and kv_cache_is_quantized(facts.kv_cache_dtype):
         raise StartupError(
             f"--kv-cache-dtype {facts.kv_cache_dtype} (a quantized KV cache) cannot run with the "
             "Tail-Replay config kv_mode 'exact' (the default), which copies the tree's cached K/V into "
             "the forward unquantized; set kv_mode 'recompute' in --tail-replay-config / "
             "SGLANG_EXT_TAIL_REPLAY_CONFIG, or use an unquantized --kv-cache-dtype")
-    if config.budget == AUTO and config.profile is None:
+    if config.knobs.budget == AUTO and config.server.profile is None:
         raise StartupError(
             f"the Tail-Replay config budget {AUTO!r} needs the model's decay profile, and there is none: "
             f"no {PROFILE_FILE} in --model-path {facts.model_path!r} and no 'decay_profile' key (write one with "
@@ -112,11 +112,11 @@ def check_flag_names_kv_dtype(flag: ServerFacts, resolved: ServerFacts) -> None:
 
 def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
     settings = " ".join(f"{k}={v!r}" for k, v in user_settings(config).items())
-    if config.profile is not None:
-        decay = config.profile.decay(config.decay_percentile)
-        window = certified_window(decay, config.tolerance)
-        settings += (f"; decay profile: slowest head's p{config.decay_percentile} decay {decay:.5f}, "
-                     f"certified window for tolerance {config.tolerance:g}: "
+    if config.server.profile is not None:
+        decay = config.server.profile.decay(config.knobs.decay_percentile)
+        window = certified_window(decay, config.knobs.tolerance)
+        settings += (f"; decay profile: slowest head's p{config.knobs.decay_percentile} decay {decay:.5f}, "
+                     f"certified window for tolerance {config.knobs.tolerance:g}: "
                      f"{'none (a head that does not forget)' if window is None else f'{window} tokens'}")
     limits = request_limits(config, facts)
     reasons = [f"keep_checkpoints=true ({limits.checkpoints_refused})" if limits.checkpoints_refused else None,

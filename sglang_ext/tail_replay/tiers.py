@@ -23,7 +23,6 @@ from sglang.srt.mem_cache.unified_cache.components.base import (
     PreparePrefetchResult,
 )
 
-from sglang_ext.tail_replay import own_tail
 from sglang_ext.tail_replay.insert_provenance import InsertContext
 from sglang_ext.tail_replay.matching import MatchPlanner, tail_kv_slots
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
@@ -52,7 +51,7 @@ class HostTierRules:
     @property
     def host_states(self) -> bool:
         """Whether states go to the host tier (HiCache on, the server keeps checkpoints)."""
-        return bool(self.tree_core.enable_hicache) and self.config().keep_checkpoints
+        return bool(self.tree_core.enable_hicache) and self.config().knobs.keep_checkpoints
 
     def needs_incremental_backup(self, node: Any, stock: Callable[[Any], bool]) -> bool:
         return self.host_states and stock(node)
@@ -149,10 +148,8 @@ class HostTierCache:
             checkpoint = self.cache.tree_core.node_by_id(target)
             device_len, device_node = plan.prefix_len - len(checkpoint.key), checkpoint.parent.id
         state_node = start_state.node_id if self.state_on_host(planned) else None
-        record.set_plan(plan, *plan_carry(plan, start_state, prov, config.kv_mode))
-        record.kv_slots = None
-        own_tail.begin(record, plan, config.kv_mode)
-        record.host_load = HostLoad(device_len, plan.prefix_len, load_end, state_node)
+        record.set_plan(plan, *plan_carry(plan, start_state, prov, config.knobs.kv_mode),
+                        host_load=HostLoad(device_len, plan.prefix_len, load_end, state_node))
         return result._replace(device_prefix_len=device_len, last_device_node=device_node,
                                last_host_node=target, best_match_node=target,
                                host_hit_length=plan.prefix_len - device_len,
@@ -166,10 +163,9 @@ class HostTierCache:
         request is served as a miss (exact; the tree is unchanged)."""
         req = params.req
         record = record_of(req) if req is not None else None
-        host = record.host_load if record is not None else None
+        host = record.take_host_load() if record is not None else None
         if host is None:
             return stock(params)
-        record.host_load = None
         self.state_load_node = host.state_node
         try:
             loaded = stock(params)
@@ -183,14 +179,12 @@ class HostTierCache:
             core.node_by_id(host.state_node).component_data[ComponentType.MAMBA].value is not None
         if count == host.load_end - host.device_len and state_loaded:
             path = MatchedPath.walk(core, core.node_by_id(node))   # the loaded path
-            record.kv_slots = tail_kv_slots(record.plan, record.config.kv_mode, path)
+            record.loaded(tail_kv_slots(record.plan, record.config.knobs.kv_mode, path))
             if host.state_node is not None:   # the request's slot holds the checkpoint's state now
                 req.kv.mamba_cow_src_index, req.kv.mamba_needs_clear = None, False
             return host.prefix_len - host.device_len, node
         miss = ReplayPlan(HitKind.MISS, record.plan.matched_tokens, 0, 0)
         record.set_plan(miss)
-        record.kv_slots = None
-        own_tail.begin(record, miss, record.config.kv_mode)
         req.prefix_len = 0
         if req.kv.holds_mamba:
             req.kv.mamba_cow_src_index, req.kv.mamba_needs_clear = None, True

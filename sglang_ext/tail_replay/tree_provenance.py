@@ -241,7 +241,7 @@ class ProvenanceWriter:
         full = node.component_data[ComponentType.FULL]
         if full.lock_ref > 0 or self.tree_core.enable_hicache or prefix_len != len(node.key):
             if record is not None:
-                record.floor = max(record.floor, provenance.TAINT)
+                record.acc.floor = max(record.acc.floor, provenance.TAINT)
             return consumed
         cache_actions.append(FreeDeviceKV([full.value]))
         full.value = value_slice.clone()

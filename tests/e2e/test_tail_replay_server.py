@@ -692,7 +692,7 @@ def test_a_streaming_session_turn_is_planned_and_honours_its_exactness(servers):
         assert summary["kind"] in ("approximate_checkpoint", "exact_checkpoint"), summary
         assert summary["reused_tokens"] == summary["matched_tokens"] == follow.json()["meta_info"]["cached_tokens"]
         assert context - 9 <= summary["reused_tokens"] <= context - 8 and summary["bound"] > 0.0   # the session
-        assert summary["exact"] is (summary["bound"] <= TailReplayConfig().exact_threshold)
+        assert summary["exact"] is (summary["bound"] <= TailReplayConfig().server.exact_threshold)
         assert summary["kv_exact"] is False   # turn 1's approximate KV and state are read
     finally:
         requests.post(f"{server.url}/close_session", timeout=60, json={"session_id": session["id"]})

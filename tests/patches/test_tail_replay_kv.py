@@ -67,7 +67,8 @@ class FakePool:
 
 def req(plan=None, slots=None):
     """A request whose Tail-Replay record holds `plan` and the tail's tree slots `slots`."""
-    record = TailReplayRequest(config=TailReplayConfig(), plan=plan, kv_slots=slots)
+    record = TailReplayRequest(config=TailReplayConfig())
+    record.set_plan(plan, kv_slots=slots)
     return SimpleNamespace(**{RECORD_ATTR: record})
 
 

@@ -58,10 +58,10 @@ def test_report_puts_auto_after_fixed_budgets_of_the_same_kv_mode():
 
 def test_server_config_finds_the_model_profile_as_the_server_does(model_dir, tmp_path_factory):
     config = tail_replay_server_config(str(model_dir))
-    assert config.keep_checkpoints is False and config.decay_profile == str(model_dir / "decay.json")
-    assert config.profile.decay(90) == 0.9
+    assert config.knobs.keep_checkpoints is False and config.server.decay_profile == str(model_dir / "decay.json")
+    assert config.server.profile.decay(90) == 0.9
     bare = tail_replay_server_config(str(tmp_path_factory.mktemp("no_profile")))
-    assert bare.profile is None and bare == tail_replay_server_config(None)
+    assert bare.server.profile is None and bare == tail_replay_server_config(None)
     assert not TAIL_REPLAY_SERVER_CONFIG.get("decay_profile")
 
 

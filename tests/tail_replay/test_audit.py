@@ -36,11 +36,10 @@ from sglang_ext.tail_replay.config import (
     config_from_dict,
     parse_config,
     user_settings,
-    with_overrides,
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.request import attach
-from sglang_ext.tail_replay.request_fields import RequestLimits, background_mark, check_request, request_overrides
+from sglang_ext.tail_replay.request_fields import RequestLimits, background_mark, check_request, request_overrides, with_overrides
 
 
 def test_sampling_is_a_deterministic_share_of_request_ids():
@@ -132,9 +131,9 @@ def test_log_line_names_the_request_its_bound_and_the_divergence():
 
 
 def test_audit_keys_are_validated_naming_the_key():
-    assert DEFAULTS.audit_rate == 0.0 and DEFAULTS.audit is False and DEFAULTS.audit_of is None
-    assert config_from_dict({"audit_rate": 0.05}).audit_rate == 0.05
-    assert config_from_dict({"audit_rate": 1}).audit_rate == 1
+    assert DEFAULTS.server.audit_rate == 0.0 and DEFAULTS.audit is False and DEFAULTS.audit_of is None
+    assert config_from_dict({"audit_rate": 0.05}).server.audit_rate == 0.05
+    assert config_from_dict({"audit_rate": 1}).server.audit_rate == 1
     for bad in (-0.1, 1.5, math.nan):
         with pytest.raises(TailReplayConfigError, match="'audit_rate': must be in \\[0, 1\\]"):
             config_from_dict({"audit_rate": bad})
@@ -160,7 +159,7 @@ def test_audit_keys_are_validated_naming_the_key():
 
 
 def test_a_request_asks_for_its_own_audit_only_where_the_server_allows_it():
-    assert DEFAULTS.allow_request_audit_repair is False
+    assert DEFAULTS.server.allow_request_audit_repair is False
     for value in (True, False):
         with pytest.raises(TailReplayConfigError, match="'audit': is refused on this server: per-request audit and "
                                                         "repair are off \\(server config key 'allow_request_audit_repair'"):
@@ -196,16 +195,16 @@ def test_the_reference_run_passes_any_servers_request_check():
     strict_server = RequestLimits(checkpoints_refused="no room", exact_kv_refused="quantized")
     config = request_overrides(DEFAULTS, {BACKGROUND_PARAM_KEY: background_mark(reference_overrides("rid-1"))},
                                strict_server)
-    assert config.strict and config.audit_of == "rid-1" and not config.keep_checkpoints and not config.audit
+    assert config.strict and config.audit_of == "rid-1" and not config.knobs.keep_checkpoints and not config.audit
 
 
 def test_a_reference_run_is_not_counted_as_traffic(monkeypatch):
     counted = []
     monkeypatch.setattr(metrics, "record_plan", counted.append)
     plan = ReplayPlan(HitKind.MISS, 0, 0, 0)
-    for config in (DEFAULTS, TailReplayConfig(audit_of="r")):
+    for config in (DEFAULTS, TailReplayConfig.of(audit_of="r")):
         record = attach(SimpleNamespace(), config)
-        record.plan = plan
+        record.set_plan(plan)
         metrics.record_first_forward(record)
     assert counted == [plan]
 
@@ -221,8 +220,8 @@ def _req(rid, ids, config, kind=HitKind.APPROXIMATE, bound=0.3, extend_end=None)
     req = _Req(rid=rid, origin_input_ids=list(ids), output_ids=[],
                extend_end=len(ids) if extend_end is None else extend_end)
     record = attach(req, config)
-    record.plan = ReplayPlan(kind, len(ids), 0, 0)
-    record.output_bound = bound          # provenance of the output, as the forward left it
+    record.set_plan(ReplayPlan(kind, len(ids), 0, 0))
+    record.acc.output_bound = bound      # provenance of the output, as the forward left it
     return req
 
 
@@ -240,13 +239,13 @@ def scheduler(monkeypatch):
 
 def test_forced_audit_of_an_approximate_answer_records_its_divergence(scheduler, caplog):
     ids = [5, 6, 7, 8]
-    served = _req("served-1", ids, TailReplayConfig(audit=True))
+    served = _req("served-1", ids, TailReplayConfig.of(audit=True))
     tail_replay_audit.observe_forward([served], torch.tensor([[1.0, 2.0, 0.0]]))
     record = face.record_of(served)
     assert record.audit == FORCED and "served-1" in tail_replay_audit._pending_audits()
     assert metrics.replay_summary(record, len(ids))["audit"] == FORCED
 
-    reference = _req("ref-1", ids, TailReplayConfig(**reference_overrides("served-1")), kind=HitKind.MISS, bound=0.0)
+    reference = _req("ref-1", ids, TailReplayConfig.of(**reference_overrides("served-1")), kind=HitKind.MISS, bound=0.0)
     with caplog.at_level("INFO", logger=tail_replay_audit.__name__):
         tail_replay_audit.observe_forward([reference], torch.tensor([[2.0, 1.0, 0.0]]))
     [(trigger, d)] = scheduler
@@ -258,29 +257,29 @@ def test_forced_audit_of_an_approximate_answer_records_its_divergence(scheduler,
 
 def test_forced_audit_of_an_exact_answer_records_zero(scheduler):
     ids = [1, 2, 3]
-    served = _req("served-2", ids, TailReplayConfig(audit=True), kind=HitKind.MISS, bound=0.0)
+    served = _req("served-2", ids, TailReplayConfig.of(audit=True), kind=HitKind.MISS, bound=0.0)
     row = torch.tensor([[0.3, -1.0, 2.0]])
     tail_replay_audit.observe_forward([served], row)
-    reference = _req("ref-2", ids, TailReplayConfig(**reference_overrides("served-2")), kind=HitKind.MISS, bound=0.0)
+    reference = _req("ref-2", ids, TailReplayConfig.of(**reference_overrides("served-2")), kind=HitKind.MISS, bound=0.0)
     tail_replay_audit.observe_forward([reference], row.clone())
     [(trigger, d)] = scheduler
     assert trigger == FORCED and d.kl == 0.0 and d.tv == 0.0 and d.top1_agree
 
 
 def test_sampling_audits_only_answers_that_are_not_exact(scheduler):
-    every = TailReplayConfig(audit_rate=1.0)
+    every = TailReplayConfig.of(audit_rate=1.0)
     approx = _req("a", [1, 2], every, bound=0.3)
     exact = _req("e", [1, 2], every, kind=HitKind.EXACT_CHECKPOINT, bound=0.0)
     off = _req("o", [1, 2], DEFAULTS, bound=0.3)
     tail_replay_audit.observe_forward([approx, exact, off], torch.zeros(3, 4))
     assert [face.record_of(r).audit for r in (approx, exact, off)] == [SAMPLED, None, None]
-    assert all(face.record_of(r).audit_decided for r in (approx, exact, off))
+    assert all("audit_decided" in face.record_of(r).done for r in (approx, exact, off))
 
 
 def test_only_the_forward_that_gives_the_first_output_is_kept(scheduler):
-    chunked = _req("c", [1, 2, 3, 4], TailReplayConfig(audit=True), extend_end=2)   # a middle chunk
+    chunked = _req("c", [1, 2, 3, 4], TailReplayConfig.of(audit=True), extend_end=2)   # a middle chunk
     tail_replay_audit.observe_forward([chunked], torch.zeros(1, 4))
-    assert not face.record_of(chunked).audit_decided
+    assert "audit_decided" not in face.record_of(chunked).done
     chunked.extend_end = 4
     tail_replay_audit.observe_forward([chunked], torch.zeros(1, 4))
     assert face.record_of(chunked).audit == FORCED
@@ -290,10 +289,10 @@ def test_only_the_forward_that_gives_the_first_output_is_kept(scheduler):
 
 
 def test_a_reference_of_another_prompt_or_unknown_request_is_not_recorded(scheduler, caplog):
-    served = _req("s", [1, 2, 3], TailReplayConfig(audit=True))
+    served = _req("s", [1, 2, 3], TailReplayConfig.of(audit=True))
     tail_replay_audit.observe_forward([served], torch.zeros(1, 4))
-    other = _req("r1", [1, 2, 4], TailReplayConfig(**reference_overrides("s")), kind=HitKind.MISS)
-    unknown = _req("r2", [1, 2, 3], TailReplayConfig(**reference_overrides("nobody")), kind=HitKind.MISS)
+    other = _req("r1", [1, 2, 4], TailReplayConfig.of(**reference_overrides("s")), kind=HitKind.MISS)
+    unknown = _req("r2", [1, 2, 3], TailReplayConfig.of(**reference_overrides("nobody")), kind=HitKind.MISS)
     tail_replay_audit.observe_forward([other, unknown], torch.zeros(2, 4))
     assert scheduler == []
     assert "ran another prompt" in caplog.text and "found no served distribution for rid=nobody" in caplog.text

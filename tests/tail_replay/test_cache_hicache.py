@@ -11,7 +11,6 @@ compared with what the first request wrote.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -104,7 +103,7 @@ def host():
         h.close()
 
 
-KV_ONLY = dataclasses.replace(CONFIG, keep_checkpoints=False)
+KV_ONLY = CONFIG.replaced(keep_checkpoints=False)
 
 
 def test_without_checkpoints_the_host_tier_holds_kv_only(host):

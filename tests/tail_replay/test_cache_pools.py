@@ -9,7 +9,6 @@ does the recurrent-state allocator, so the tests assert exact slot ids.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -53,7 +52,7 @@ FULL = ComponentType.FULL
 #: `exactness: "approximate"`, the mode these tests exercise (the default, "exact_first", resumes
 #: from any exact state on the path: tests/tail_replay/test_provenance.py and the tests here that
 #: pass it)
-CONFIG = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8,
+CONFIG = TailReplayConfig.of(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8,
                           exactness="approximate")
 PAGE_SIZES = [1, 4]
 
@@ -312,7 +311,7 @@ def test_checkpoint_within_the_window_gives_exact_checkpoint(page):
 
 @pytest.mark.parametrize("page", PAGE_SIZES)
 def test_window_covering_the_match_replays_everything_from_zero(page):
-    h = Harness(page, dataclasses.replace(CONFIG, min_match_tokens=0))
+    h = Harness(page, CONFIG.replaced(min_match_tokens=0))
     h.run(A)
     req = h.admit(A[:4] + seq(8000, 10))  # L = 4 = W
     assert plan_of(req) == ReplayPlan(HitKind.EXACT_REPLAY, 4, 0, 0)
@@ -329,7 +328,7 @@ def test_window_covering_the_match_replays_everything_from_zero(page):
 
 @pytest.mark.parametrize("page", PAGE_SIZES)
 def test_short_match_without_checkpoint_is_a_miss(page):
-    config = TailReplayConfig(budget=0.0, min_replay_tokens=2, max_replay_tokens=64, min_match_tokens=8)
+    config = TailReplayConfig.of(budget=0.0, min_replay_tokens=2, max_replay_tokens=64, min_match_tokens=8)
     h = Harness(page, config)
     h.run(A)
     req = h.admit(A[:6] + seq(9000, 10))        # L = 6 (page 1) or 4 (page 4) < 8, W = 2
@@ -342,7 +341,7 @@ def test_short_match_without_checkpoint_is_a_miss(page):
 
 
 def test_recompute_kv_mode_hands_out_no_tail_slots():
-    h = Harness(1, TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="recompute"))
+    h = Harness(1, TailReplayConfig.of(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="recompute"))
     h.run(A)
     req = h.admit(A[:30] + seq(5000, 10))
     assert plan_of(req) == ReplayPlan(HitKind.APPROXIMATE, 30, 26, 26)
@@ -369,7 +368,7 @@ def test_request_overrides_change_the_plan():
 
 @pytest.mark.parametrize("page", PAGE_SIZES)
 def test_without_checkpoints_the_tree_never_holds_a_state(page):
-    h = Harness(page, TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8,
+    h = Harness(page, TailReplayConfig.of(budget=0.1, min_replay_tokens=4, min_match_tokens=8,
                                        keep_checkpoints=False))
     baseline = h.pool.mamba_allocator.available_size()
     first = h.run(A, output=[1, 2, 3])
@@ -499,7 +498,7 @@ def test_state_order_ends_frees_a_state_its_conversation_moved_past_first(order)
     four state slots. A new request needs a slot: SGLang's order ("lru") frees B's end state, the
     least recently used; "ends" frees A's state at 40, which A has moved past (its only child
     continues to the state at 50), so B's next turn still resumes exactly."""
-    h = Harness(1, dataclasses.replace(CONFIG, state_order=order), mamba_size=4, max_reqs=2)
+    h = Harness(1, CONFIG.replaced(state_order=order), mamba_size=4, max_reqs=2)
     b, a = seq(20_000, 40), seq(30_000, 40)
     h.run(b)
     h.run(a)
@@ -528,7 +527,7 @@ def test_state_order_approximate_first_keeps_the_exact_states(order):
     new request needs a slot: SGLang's order ("lru") frees B's exact state, so B's next turn
     replays approximately where stock SGLang would resume exactly; "approximate_first" frees the
     approximate state and B's next turn resumes exactly."""
-    h = Harness(1, dataclasses.replace(CONFIG, state_order=order), mamba_size=4, max_reqs=2)
+    h = Harness(1, CONFIG.replaced(state_order=order), mamba_size=4, max_reqs=2)
     b, a = seq(20_000, 40), seq(30_000, 40)
     h.run(b)
     h.run(a, {"keep_checkpoints": False})                  # a's KV, no state
@@ -708,7 +707,7 @@ def test_one_record_per_request_with_its_config_resolved_once():
     assert len(calls) == 1
     record = record_of(req)
     assert isinstance(record, TailReplayRequest) and getattr(req, RECORD_ATTR) is record
-    assert record.config == dataclasses.replace(CONFIG, budget=0.5, min_replay_tokens=0)
+    assert record.config == CONFIG.replaced(budget=0.5, min_replay_tokens=0)
     assert plan_of(req) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 40, 40, 40)
     assert not [name for name in vars(req) if name.startswith("tail_replay")]   # no loose attributes
     h.assert_no_leak()

@@ -101,7 +101,7 @@ def build_cache(page_size: int, config: TailReplayConfig):
 
 class TailReplayCacheMachine(RuleBasedStateMachine):
     page_size = 1
-    config = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=32, min_match_tokens=8)
+    config = TailReplayConfig.of(budget=0.1, min_replay_tokens=4, max_replay_tokens=32, min_match_tokens=8)
 
     @initialize(seeds=st.lists(prompts, min_size=1, max_size=3))
     def setup(self, seeds):
@@ -127,7 +127,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
                    sampling_params=SamplingParams(temperature=0, max_new_tokens=16, custom_params=custom))
 
     def keeps_state(self, req: Req) -> bool:
-        return request_config(self.config, req).keep_checkpoints
+        return request_config(self.config, req).knobs.keep_checkpoints
 
     def simulate_forward(self, req: Req, tokens: list[int]) -> None:
         """What the gate hooks give the record in a real forward: the replayed tail's log-decay
@@ -263,7 +263,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
             # approximate only where no state on the matched path counts as exact (the path to
             # L for a fresh replay, to the resumed state for an approximate checkpoint)
             prov = self.cache.path_provenance(req.last_node)
-            assert prov.deepest_exact_state(self.config.exact_threshold, False) is None
+            assert prov.deepest_exact_state(self.config.server.exact_threshold, False) is None
         self.check_reads(req)
         if plan.from_checkpoint:
             assert req.kv.holds_mamba and req.kv.mamba_cow_src_index is not None
@@ -284,7 +284,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         assert self.pool.alloc([req]) is not None
         prefix = (self.cache.prefix_device_indices(req) if req.prefix_len
                   else torch.empty(0, dtype=torch.int64))
-        if plan.reuses_tail_kv and request_config(self.config, req).kv_mode == "exact":
+        if plan.reuses_tail_kv and request_config(self.config, req).knobs.kv_mode == "exact":
             # the replayed tail's slots are the tree's slots right after the request's prefix
             path = self.cache.path_device_indices(req.last_node)
             assert torch.equal(record_of(req).kv_slots, path[plan.prefix_len:plan.matched_tokens])
@@ -463,7 +463,7 @@ class TailReplayCacheMachine(RuleBasedStateMachine):
         assert c.full_protected_size() == protected
         if not self.running and not self.extra_locks:
             assert c.full_protected_size() == 0 and c.mamba_protected_size() == 0
-        if not self.config.keep_checkpoints:
+        if not self.config.knobs.keep_checkpoints:
             assert tree_state == []
         # locked nodes are never evicted, whoever evicted (an explicit evict, or the allocation
         # paths that evict on their own): every locked path still holds the same KV slots
@@ -497,7 +497,7 @@ class PageOneMachine(TailReplayCacheMachine):
 
 class PagedNoCheckpointsMachine(TailReplayCacheMachine):
     page_size = 4
-    config = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=32, min_match_tokens=8,
+    config = TailReplayConfig.of(budget=0.1, min_replay_tokens=4, max_replay_tokens=32, min_match_tokens=8,
                               keep_checkpoints=False)
 
 
@@ -507,7 +507,7 @@ class PagedMachine(TailReplayCacheMachine):
 
 class PageOneRecomputeMachine(TailReplayCacheMachine):
     page_size = 1
-    config = TailReplayConfig(budget=0.25, min_replay_tokens=2, max_replay_tokens=8, min_match_tokens=4,
+    config = TailReplayConfig.of(budget=0.25, min_replay_tokens=2, max_replay_tokens=8, min_match_tokens=4,
                               kv_mode="recompute")
 
 

@@ -12,7 +12,6 @@ from sglang_ext import patches  # noqa: E402
 
 patches.apply_patches("cpu")  # before any SGLang import
 
-import dataclasses  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
 
@@ -24,7 +23,8 @@ from sglang.srt.mem_cache.unified_cache.components.base import CacheTransferPhas
 from sglang_ext.tail_replay.branch_rules import BranchPointTrack  # noqa: E402
 from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.provenance import TAINT, NodeProvenance  # noqa: E402
-from sglang_ext.tail_replay.state_walk import StateEvictionWalk  # noqa: E402
+from sglang_ext.tail_replay.request import TailReplayRequest  # noqa: E402
+from sglang_ext.tail_replay.state_order import StateEvictionWalk  # noqa: E402
 from sglang_ext.tail_replay.stock_last import StockLastOrder  # noqa: E402
 from sglang_ext.tail_replay.tiers import HostTierRules  # noqa: E402
 from sglang_ext.tail_replay.tree_provenance import (  # noqa: E402
@@ -84,7 +84,7 @@ def test_ends_frees_a_state_its_conversation_moved_past_first(order, freed):
     core.add(2, one, 4, torch.tensor([2]))
     core.add(3, core.root_node, 4, torch.tensor([3]))
     core.lru_lists[MAMBA].nodes = [core.root_node.children[3], one, one.children[2]]
-    config = dataclasses.replace(CONFIG, state_order=order)
+    config = CONFIG.replaced(state_order=order)
     assert _evict(_walk(core, config), 3) == freed
 
 
@@ -93,7 +93,7 @@ def test_approximate_first_frees_the_approximate_states_first_then_lru():
     nodes = _leaves(core, 4)
     for node in (nodes[1], nodes[3]):
         set_provenance(node, NodeProvenance(None, APPROXIMATE))
-    config = dataclasses.replace(CONFIG, state_order="approximate_first")
+    config = CONFIG.replaced(state_order="approximate_first")
     assert _evict(_walk(core, config), 3) == [2, 4, 1]
 
 
@@ -101,7 +101,7 @@ def test_the_walk_stops_at_its_count_and_skips_locked_states():
     core = FakeCore()
     nodes = _leaves(core, 3)
     nodes[0].component_data[MAMBA].lock_ref = 1
-    config = dataclasses.replace(CONFIG, state_order="lru")
+    config = CONFIG.replaced(state_order="lru")
     walk = _walk(core, config)
     assert _evict(walk, 1) == [2]
     assert _evict(walk, 5) == [3]   # nothing unlocked is left
@@ -232,7 +232,7 @@ def test_fresher_exact_kv_replaces_an_approximate_nodes_unless_locked():
 
     set_provenance(node, NodeProvenance(torch.full((4,), 0.5)))
     node.component_data[FULL].lock_ref = 1
-    record = SimpleNamespace(floor=0.0, plan=None)
+    record = TailReplayRequest(TailReplayConfig())
     assert _writer(core, record=record).on_overlap(node, 4, 0, torch.tensor([9] * 4), params, [], 4) == 4
     assert node.component_data[FULL].value.tolist() == [5, 6, 7, 8] and record.floor == TAINT
 
@@ -247,7 +247,7 @@ def test_host_tier_rules_run_sglangs_steps_only_for_host_states():
     calls: list = []
 
     def rules(keep: bool) -> HostTierRules:
-        config = dataclasses.replace(CONFIG, keep_checkpoints=keep)
+        config = CONFIG.replaced(keep_checkpoints=keep)
         return HostTierRules(core, lambda: config, state_load_node=lambda: load[0],
                              inserting=lambda: SimpleNamespace(bounds=lambda a, b: torch.tensor([0.0, 0.7, 0.0, 0.0])))
 

@@ -3,7 +3,6 @@ start-up), on hand-made profiles and on the two trained models' profiles."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import re
@@ -69,7 +68,7 @@ def test_auto_window_follows_the_profile_and_the_clamps(tmp_path):
     path = str(_profile(tmp_path))
     config = config_from_dict({"budget": AUTO, "decay_profile": path, "min_replay_tokens": 0})
     assert replay_window(10_000, config) == 44 == replay_window(500, config)     # independent of L
-    assert replay_window(500, dataclasses.replace(config, tolerance=0.1)) == 22
+    assert replay_window(500, config.replaced(tolerance=0.1)) == 22
     p50 = config_from_dict({"budget": AUTO, "decay_profile": path, "decay_percentile": 50, "min_replay_tokens": 0})
     assert replay_window(500, p50) == math.ceil(math.log(0.01) / math.log(0.5))
     clamped = config_from_dict({"budget": AUTO, "decay_profile": path, "min_replay_tokens": 64})
@@ -107,7 +106,7 @@ def test_the_model_folders_profile_is_found_at_start_up(tmp_path):
     _profile(tmp_path)
     text = with_model_profile('{"budget": "auto"}', str(tmp_path))
     config = parse_config(text)
-    assert config.decay_profile == str(tmp_path / "decay.json") and config.budget == AUTO
+    assert config.server.decay_profile == str(tmp_path / "decay.json") and config.knobs.budget == AUTO
     (line,) = check_start(config, ServerFacts(model_path=str(tmp_path)))
     assert "certified window for tolerance 0.01: 44 tokens" in line
     assert with_model_profile(text, "/elsewhere") == text                              # named already

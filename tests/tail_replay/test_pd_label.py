@@ -55,14 +55,14 @@ def labelling(monkeypatch):
 
 
 def _exact_reading_taint() -> TailReplayRequest:
-    record = TailReplayRequest(config=TailReplayConfig(exactness="exact_first"))
+    record = TailReplayRequest(config=TailReplayConfig.of(exactness="exact_first"))
     record.begin_match(PROMPT)
     record.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 100, 100, 100), None, TAINT)
     return record
 
 
 def _strictly_exact() -> TailReplayRequest:
-    record = TailReplayRequest(config=TailReplayConfig(exactness="exact"))
+    record = TailReplayRequest(config=TailReplayConfig.of(exactness="exact"))
     record.begin_match(PROMPT)
     record.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 96, 96, 96))
     return record
@@ -72,13 +72,13 @@ def _approximate(per_layer: int = 3) -> TailReplayRequest:
     """A pressed request's approximate hit, audited, with the state bound from its tail's gates."""
     from sglang_ext.tail_replay.pressure import PressurePolicy
 
-    config = TailReplayConfig(exactness="exact_unless_pressed", pressure=PressurePolicy(token_usage=0.8),
+    config = TailReplayConfig.of(exactness="exact_unless_pressed", pressure=PressurePolicy(token_usage=0.8),
                               pressed_by=("token_usage", "mamba_usage"))
     record = TailReplayRequest(config=config)
     record.begin_match(PROMPT)
     record.set_plan(ReplayPlan(HitKind.APPROXIMATE, 100, 90, 90, pressure="approximate", planned_bound=0.004),
                     CarryBound(90, math.log(0.25)))
-    record.bound = StateBound(0.03125, tuple(0.03125 / (i + 1) for i in range(per_layer)))
+    record.acc.bound = StateBound(0.03125, tuple(0.03125 / (i + 1) for i in range(per_layer)))
     record.audit = "sampled"
     return record
 

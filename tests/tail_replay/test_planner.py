@@ -17,14 +17,15 @@ from sglang_ext.tail_replay.config import (
     TailReplayConfigError,
     config_from_dict,
     parse_config,
-    with_overrides,
+    user_settings,
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
+from sglang_ext.tail_replay.request_fields import with_overrides
 
 # W = clamp(ceil(0.1 * L), 16, 1000); matches below 32 tokens are not reused approximately.
 #: `exactness: "approximate"`, the mode these tests exercise (the default, "exact_first", takes any
 #: exact state on the path: tests/tail_replay/test_provenance.py)
-CFG = TailReplayConfig(budget=0.1, min_replay_tokens=16, max_replay_tokens=1000, min_match_tokens=32,
+CFG = TailReplayConfig.of(budget=0.1, min_replay_tokens=16, max_replay_tokens=1000, min_match_tokens=32,
                        exactness="approximate")
 
 
@@ -48,10 +49,10 @@ def test_replay_window_clamps(matched, expected):
 
 
 def test_replay_window_budget_edges():
-    assert replay_window(1000, TailReplayConfig(budget=0.0, min_replay_tokens=0)) == 0
-    assert replay_window(1000, TailReplayConfig(budget=1.0, max_replay_tokens=10**6)) == 1000
+    assert replay_window(1000, TailReplayConfig.of(budget=0.0, min_replay_tokens=0)) == 0
+    assert replay_window(1000, TailReplayConfig.of(budget=1.0, max_replay_tokens=10**6)) == 1000
     # min == max pins W whatever the budget
-    pinned = TailReplayConfig(budget=0.5, min_replay_tokens=7, max_replay_tokens=7)
+    pinned = TailReplayConfig.of(budget=0.5, min_replay_tokens=7, max_replay_tokens=7)
     assert [replay_window(n, pinned) for n in (0, 10, 10**6)] == [7, 7, 7]
 
 
@@ -85,7 +86,7 @@ def test_checkpoint_outside_window_gives_approximate():
 
 
 def test_zero_budget_reuses_the_whole_match_and_replays_nothing():
-    zero = dataclasses.replace(CFG, budget=0.0, min_replay_tokens=0)
+    zero = CFG.replaced(budget=0.0, min_replay_tokens=0)
     plan = plan_replay(500, None, 1, zero)
     assert plan == ReplayPlan(HitKind.APPROXIMATE, 500, 500, 500)
     assert plan.replayed_tokens == 0 and not plan.state_is_exact and not plan.reuses_tail_kv
@@ -121,7 +122,7 @@ def test_short_accidental_match_is_a_miss(matched):
 @pytest.mark.parametrize("matched", [1, 10, 16])
 def test_window_covering_match_is_exact_replay_from_zero(matched):
     # W = 16 >= L: the whole match is replayed from the zero state (exact at position 0)
-    plan = plan_replay(matched, None, 1, dataclasses.replace(CFG, min_match_tokens=0))
+    plan = plan_replay(matched, None, 1, CFG.replaced(min_match_tokens=0))
     assert plan == ReplayPlan(HitKind.EXACT_REPLAY, matched, 0, 0)
     assert plan.replayed_tokens == matched
     assert plan.state_is_exact and plan.reuses_tail_kv
@@ -130,7 +131,7 @@ def test_window_covering_match_is_exact_replay_from_zero(matched):
 def test_full_budget_prefers_a_checkpoint_over_replay_from_zero():
     # budget 1.0: W = L, so every checkpoint is within the window and wins (fewer tokens
     # replayed); without one the whole match is replayed from the zero state.
-    full = TailReplayConfig(budget=1.0, min_replay_tokens=0, max_replay_tokens=10**6, min_match_tokens=0)
+    full = TailReplayConfig.of(budget=1.0, min_replay_tokens=0, max_replay_tokens=10**6, min_match_tokens=0)
     assert plan_replay(300, None, 1, full) == ReplayPlan(HitKind.EXACT_REPLAY, 300, 0, 0)
     assert plan_replay(300, 100, 1, full) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 300, 100, 100)
 
@@ -177,26 +178,26 @@ def test_defaults():
     assert parse_config(None) == TailReplayConfig()
     assert parse_config("") == TailReplayConfig()
     cfg = TailReplayConfig()
-    assert (cfg.budget, cfg.min_replay_tokens, cfg.max_replay_tokens, cfg.min_match_tokens,
-            cfg.keep_checkpoints, cfg.kv_mode) == (0.05, 64, 4096, 128, True, "exact")
+    assert (cfg.knobs.budget, cfg.knobs.min_replay_tokens, cfg.knobs.max_replay_tokens, cfg.knobs.min_match_tokens,
+            cfg.knobs.keep_checkpoints, cfg.knobs.kv_mode) == (0.05, 64, 4096, 128, True, "exact")
 
 
 def test_parse_json_object():
     cfg = parse_config('{"budget": 0.1, "min_replay_tokens": 8, "max_replay_tokens": 512, '
                        '"min_match_tokens": 0, "keep_checkpoints": false, "kv_mode": "recompute"}')
-    assert cfg == TailReplayConfig(budget=0.1, min_replay_tokens=8, max_replay_tokens=512,
+    assert cfg == TailReplayConfig.of(budget=0.1, min_replay_tokens=8, max_replay_tokens=512,
                                    min_match_tokens=0, keep_checkpoints=False, kv_mode="recompute")
 
 
 def test_parse_integer_budget_is_accepted():
-    assert parse_config('{"budget": 1}').budget == 1
-    assert parse_config('  {"budget": 0}').budget == 0
+    assert parse_config('{"budget": 1}').knobs.budget == 1
+    assert parse_config('  {"budget": 0}').knobs.budget == 0
 
 
 def test_parse_json_file_path(tmp_path):
     path = tmp_path / "tail_replay.json"
     path.write_text(json.dumps({"budget": 0.2, "keep_checkpoints": False}))
-    assert parse_config(str(path)) == TailReplayConfig(budget=0.2, keep_checkpoints=False)
+    assert parse_config(str(path)) == TailReplayConfig.of(budget=0.2, keep_checkpoints=False)
 
 
 def test_parse_bad_file_in_path_names_the_key(tmp_path):
@@ -278,32 +279,33 @@ def test_unknown_key_message_lists_known_keys():
 
 def test_direct_construction_validates():
     with pytest.raises(TailReplayConfigError, match="'budget'"):
-        TailReplayConfig(budget=-1.0)
+        TailReplayConfig.of(budget=-1.0)
     with pytest.raises(TailReplayConfigError, match="'max_replay_tokens'"):
-        TailReplayConfig(min_replay_tokens=10, max_replay_tokens=9)
+        TailReplayConfig.of(min_replay_tokens=10, max_replay_tokens=9)
 
 
 def test_config_is_frozen():
     cfg = TailReplayConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.budget = 0.5  # type: ignore[misc]
+        cfg.knobs.budget = 0.5  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------- with_overrides
 
 
 def test_with_overrides_none_and_empty_return_base():
-    base = TailReplayConfig(budget=0.2)
+    base = TailReplayConfig.of(budget=0.2)
     assert with_overrides(base, None) is base
     assert with_overrides(base, {}) == base
 
 
 def test_with_overrides_replaces_only_given_keys():
-    base = TailReplayConfig(budget=0.2, min_replay_tokens=8, keep_checkpoints=False)
+    base = TailReplayConfig.of(budget=0.2, min_replay_tokens=8, keep_checkpoints=False)
     out = with_overrides(base, {"budget": 0.5, "kv_mode": "recompute"})
-    assert out == TailReplayConfig(budget=0.5, min_replay_tokens=8, keep_checkpoints=False,
-                                   kv_mode="recompute")
-    assert base.budget == 0.2  # the base is untouched
+    assert out.knobs == TailReplayConfig.of(budget=0.5, min_replay_tokens=8, keep_checkpoints=False,
+                                         kv_mode="recompute").knobs
+    assert out.server == base.server   # a request's options change its knobs, not the server's config
+    assert base.knobs.budget == 0.2    # the base is untouched
 
 
 @pytest.mark.parametrize(
@@ -332,7 +334,7 @@ def test_with_overrides_requires_an_object(overrides):
 # ---------------------------------------------------------------- property test
 
 configs = st.builds(
-    lambda budget, lo, extra, min_match, keep, mode, exactness: TailReplayConfig(
+    lambda budget, lo, extra, min_match, keep, mode, exactness: TailReplayConfig.of(
         budget=budget, min_replay_tokens=lo, max_replay_tokens=lo + extra,
         min_match_tokens=min_match, keep_checkpoints=keep, kv_mode=mode, exactness=exactness),
     st.floats(0.0, 1.0, allow_nan=False),
@@ -373,7 +375,7 @@ def test_plan_properties(args):
         assert plan.prefix_len % page == 0
         assert plan.prefix_len == (matched - window) // page * page > 0
         assert window <= plan.replayed_tokens < window + page
-        assert matched >= cfg.min_match_tokens and window < matched
+        assert matched >= cfg.knobs.min_match_tokens and window < matched
         assert not plan.state_is_exact
     else:
         assert plan.state_is_exact
@@ -385,12 +387,12 @@ def test_plan_properties(args):
     if checkpoint is not None and matched - checkpoint <= window:
         assert plan.kind is HitKind.EXACT_CHECKPOINT
     # exact_first and exact: never approximate where an exact state is on the path; exact: never
-    if checkpoint is not None and cfg.exactness != "approximate" or cfg.exactness == "exact":
+    if checkpoint is not None and cfg.knobs.exactness != "approximate" or cfg.knobs.exactness == "exact":
         assert plan.state_is_exact
     # the window is clamped
-    assert cfg.min_replay_tokens <= window <= cfg.max_replay_tokens
-    assert window == min(max(math.ceil(cfg.budget * matched), cfg.min_replay_tokens), cfg.max_replay_tokens)
+    assert cfg.knobs.min_replay_tokens <= window <= cfg.knobs.max_replay_tokens
+    assert window == min(max(math.ceil(cfg.knobs.budget * matched), cfg.knobs.min_replay_tokens), cfg.knobs.max_replay_tokens)
     # pure: same inputs, same plan (also through an equal, separately built config)
-    twin = TailReplayConfig(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
+    twin = TailReplayConfig.of(**user_settings(cfg))
     assert plan_replay(matched, checkpoint, page, twin) == plan
     assert plan_replay(matched, checkpoint, page, cfg) == plan

@@ -32,7 +32,7 @@ from sglang_ext.tail_replay.request_fields import check_request
 PROFILE = DecayProfile(source="test", slowest={10: 0.2, 50: 0.6, 90: 0.9}, heads=1)
 POLICY = PressurePolicy(num_queue_reqs=4, token_usage=0.8, tolerance=0.01)
 #: W = 64 for L = 300 (budget 0.05 -> 15, raised to 64): 0.9 ** 64 = 1.18e-3
-BASE = TailReplayConfig(exactness="exact_unless_pressed", pressure=POLICY, profile=PROFILE, budget=0.05,
+BASE = TailReplayConfig.of(exactness="exact_unless_pressed", pressure=POLICY, profile=PROFILE, budget=0.05,
                         min_replay_tokens=64, min_match_tokens=128)
 IDLE = LoadSample(num_queue_reqs=0, num_queue_tokens=0, token_usage=0.1, mamba_usage=0.2)
 
@@ -85,7 +85,7 @@ def test_the_mode_needs_thresholds_and_they_are_the_servers():
     with pytest.raises(TailReplayConfigError, match="'pressure': must be a JSON object"):
         parse_policy([1], TailReplayConfigError)
     server = config_from_dict({"exactness": "exact_unless_pressed", "pressure": {"token_usage": 0.9}})
-    assert server.pressure == PressurePolicy(token_usage=0.9)
+    assert server.server.pressure == PressurePolicy(token_usage=0.9)
     with pytest.raises(TailReplayConfigError, match="'pressure': is a server setting"):
         check_request(server, {"tail_replay": {"pressure": {"token_usage": 0.0}}})
     # a request may opt out (exact) on such a server, and may not opt in where the server has no policy
@@ -105,7 +105,7 @@ def test_a_client_sending_the_stamp_is_refused_naming_it():
 
 def test_not_pressed_plans_as_exact():
     assert BASE.strict and not _pressed().strict
-    assert plan_replay(300, None, 1, BASE) == plan_replay(300, None, 1, replace(BASE, exactness="exact"))
+    assert plan_replay(300, None, 1, BASE) == plan_replay(300, None, 1, BASE.replaced(exactness="exact"))
     plan = plan_replay(300, None, 1, BASE, (290, 1e-4))
     assert (plan.kind, plan.prefix_len, plan.pressure, plan.planned_bound) == (HitKind.MISS, 0, None, None)
     plan = plan_replay(300, 128, 1, BASE)
@@ -119,18 +119,18 @@ def test_pressed_takes_an_approximate_replay_within_the_tolerance():
 
 
 def test_pressed_beyond_the_tolerance_stays_exact():
-    tight = _pressed(replace(BASE, pressure=replace(POLICY, tolerance=1e-4)))
+    tight = _pressed(replace(BASE, server=replace(BASE.server, pressure=replace(POLICY, tolerance=1e-4))))
     plan = plan_replay(300, None, 1, tight)
     assert (plan.kind, plan.pressure) == (HitKind.APPROXIMATE, "beyond_tolerance")   # the caller plans again
     fallback = exact_fallback(tight)
-    assert fallback.strict and fallback.pressure == tight.pressure
+    assert fallback.strict and fallback.server.pressure == tight.server.pressure
     exact = refused(plan_replay(300, None, 1, fallback), plan)
     assert (exact.kind, exact.prefix_len, exact.pressure) == (HitKind.MISS, 0, "beyond_tolerance")
     assert exact.planned_bound == pytest.approx(0.9 ** 64)
     # ... and the request is then served as a never-pressed one: strictly (no inexact tree KV
     # taken at a chunk boundary), labelled against threshold 0
     record = TailReplayRequest(config=tight)
-    assert not record.strict and record.threshold == tight.exact_threshold
+    assert not record.strict and record.threshold == tight.server.exact_threshold
     record.set_plan(exact)
     assert record.strict and record.threshold == 0.0
     record.set_plan(plan_replay(300, None, 1, _pressed()))   # within the tolerance: approximate
@@ -138,9 +138,9 @@ def test_pressed_beyond_the_tolerance_stays_exact():
 
 
 def test_pressed_without_a_decay_profile_is_certified_only_to_one():
-    config = _pressed(replace(BASE, profile=None))
+    config = _pressed(replace(BASE, server=replace(BASE.server, profile=None)))
     assert plan_replay(300, None, 1, config).pressure == "beyond_tolerance"
-    loose = replace(config, pressure=replace(POLICY, tolerance=1.0))
+    loose = replace(config, server=replace(config.server, pressure=replace(POLICY, tolerance=1.0)))
     plan = plan_replay(300, None, 1, loose)
     assert (plan.kind, plan.pressure, plan.planned_bound) == (HitKind.APPROXIMATE, "approximate", 1.0)
 
@@ -148,7 +148,7 @@ def test_pressed_without_a_decay_profile_is_certified_only_to_one():
 @pytest.mark.parametrize("bound, tolerance, verdict", [(1e-3, 0.01, "approximate"),
                                                        (1e-3, 5e-4, "beyond_tolerance")])
 def test_pressed_resumes_an_approximate_checkpoint_within_the_tolerance(bound, tolerance, verdict):
-    config = _pressed(replace(BASE, pressure=replace(POLICY, tolerance=tolerance)))
+    config = _pressed(replace(BASE, server=replace(BASE.server, pressure=replace(POLICY, tolerance=tolerance))))
     plan = plan_replay(300, None, 1, config, (280, bound))
     assert (plan.kind, plan.prefix_len, plan.pressure, plan.planned_bound) == (
         HitKind.APPROXIMATE_CHECKPOINT, 280, verdict, bound)
@@ -163,7 +163,7 @@ def test_pressed_with_an_exact_plan_says_so():
 def test_other_modes_are_untouched_by_a_stamp():
     params = {PRESSURE_PARAM_KEY: stamp(POLICY, replace(IDLE, num_queue_reqs=9))}
     for exactness in ("approximate", "exact_first", "exact"):
-        config = replace(BASE, exactness=exactness)
+        config = BASE.replaced(exactness=exactness)
         assert pressure_config(config, params) is config
         assert plan_replay(300, None, 1, config).pressure is None
 
@@ -254,6 +254,6 @@ def test_the_summary_says_which_threshold_and_what_the_plan_did():
     calm = TailReplayRequest(config=BASE)
     calm.set_plan(plan_replay(300, None, 1, BASE))
     assert pressure_summary(calm) == {"pressed_by": [], "outcome": "not_pressed", "planned_bound": None}
-    other = TailReplayRequest(config=replace(BASE, exactness="exact_first"))
+    other = TailReplayRequest(config=BASE.replaced(exactness="exact_first"))
     other.set_plan(plan_replay(300, None, 1, other.config))
     assert pressure_summary(other) is None

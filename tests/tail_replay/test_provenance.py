@@ -3,13 +3,12 @@ planner's use of it (exact mode, approximate checkpoints)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 
-from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError, config_from_dict, with_overrides
+from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError, config_from_dict
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
 from sglang_ext.tail_replay.provenance import (
     TAINT,
@@ -21,8 +20,9 @@ from sglang_ext.tail_replay.provenance import (
     counts_exact,
     path_provenance,
 )
+from sglang_ext.tail_replay.request_fields import with_overrides
 
-CFG = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8)
+CFG = TailReplayConfig.of(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8)
 
 
 def test_carried_bound_is_the_product_of_decays_per_head_max_over_heads_and_layers():
@@ -108,7 +108,7 @@ def test_path_provenance_finds_the_first_inexact_token_and_states_deepest_first(
 
 
 def test_an_exact_replay_is_preferred_to_an_approximate_checkpoint():
-    whole = dataclasses.replace(CFG, budget=1.0, max_replay_tokens=4096)
+    whole = CFG.replaced(budget=1.0, max_replay_tokens=4096)
     assert plan_replay(300, None, 1, whole, (280, 0.3)).kind is HitKind.EXACT_REPLAY
 
 
@@ -123,17 +123,17 @@ def test_planner_resumes_from_an_approximate_checkpoint_within_the_window():
 
 
 def test_exact_mode_never_plans_an_approximation():
-    strict = dataclasses.replace(CFG, exactness="exact")
+    strict = CFG.replaced(exactness="exact")
     assert plan_replay(500, None, 1, strict, (480, 0.3)) == ReplayPlan(HitKind.MISS, 500, 0, 0)
     assert plan_replay(500, 100, 1, strict) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 500, 100, 100)
     assert plan_replay(500, 460, 1, strict).kind is HitKind.EXACT_CHECKPOINT
-    assert plan_replay(30, None, 1, dataclasses.replace(strict, budget=1.0)).kind is HitKind.EXACT_REPLAY   # W >= L
+    assert plan_replay(30, None, 1, strict.replaced(budget=1.0)).kind is HitKind.EXACT_REPLAY   # W >= L
 
 
 def test_exact_first_takes_any_exact_checkpoint_and_approximates_only_without_one():
     first = CFG
-    assert first.exactness == "exact_first" == TailReplayConfig().exactness   # the default
-    approx = dataclasses.replace(CFG, exactness="approximate")
+    assert first.knobs.exactness == "exact_first" == TailReplayConfig().knobs.exactness   # the default
+    approx = CFG.replaced(exactness="approximate")
     # an exact state far behind the match (stock SGLang's hit): resumed from, the rest recomputed,
     # where "approximate" replays the last W tokens approximately
     assert plan_replay(500, 100, 1, first) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 500, 100, 100)
@@ -145,8 +145,8 @@ def test_exact_first_takes_any_exact_checkpoint_and_approximates_only_without_on
     assert plan_replay(500, None, 1, first, (480, 0.3)) == ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 500, 480, 480)
     assert plan_replay(500, None, 1, first) == ReplayPlan(HitKind.APPROXIMATE, 500, 450, 450)
     # a window that reaches the first token is an exact replay (it reuses the whole match's KV)
-    assert plan_replay(60, None, 1, dataclasses.replace(first, budget=1.0)) == ReplayPlan(HitKind.EXACT_REPLAY, 60, 0, 0)
-    assert first.exact_first and not first.strict and first.threshold == CFG.exact_threshold
+    assert plan_replay(60, None, 1, first.replaced(budget=1.0)) == ReplayPlan(HitKind.EXACT_REPLAY, 60, 0, 0)
+    assert first.exact_first and not first.strict and first.threshold == CFG.server.exact_threshold
     assert config_from_dict({"exactness": "exact_first"}).exact_first
 
 
@@ -195,7 +195,7 @@ def test_an_insert_of_unknown_provenance_is_untracked_never_exact():
         assert not tracks(record)
         assert insert_bounds(record, 5, 9, caching=True).tolist() == [UNTRACKED] * 4
         assert state_bound(record, 9, caching=True) == UNTRACKED
-        assert not counts_exact(UNTRACKED, CFG.exact_threshold) and not counts_exact(UNTRACKED, 0.0)
+        assert not counts_exact(UNTRACKED, CFG.server.exact_threshold) and not counts_exact(UNTRACKED, 0.0)
     # transferred KV (PD decode): whatever the request's own plan says
     assert insert_bounds(_planned(), 0, 2, caching=True, transferred=True).tolist() == [UNTRACKED] * 2
     # a state the request withheld that reaches the tree anyway
@@ -211,9 +211,9 @@ def test_untracked_kv_cuts_the_exact_mode_and_is_never_an_approximate_checkpoint
 
     prov = path_provenance([(16, None, False, 1), (24, NodeProvenance(torch.full((24,), UNTRACKED), UNTRACKED), True, 2)])
     assert prov.first_inexact == 16
-    assert prov.deepest_exact_state(CFG.exact_threshold, strict=True) is None
-    assert prov.deepest_exact_state(CFG.exact_threshold, strict=False) is None
-    state = prov.deepest_approximate_state(CFG.exact_threshold)
+    assert prov.deepest_exact_state(CFG.server.exact_threshold, strict=True) is None
+    assert prov.deepest_exact_state(CFG.server.exact_threshold, strict=False) is None
+    state = prov.deepest_approximate_state(CFG.server.exact_threshold)
     plan = plan_replay(40, None, 1, CFG, (state.depth, state.bound))
     assert plan.kind is not HitKind.APPROXIMATE_CHECKPOINT
 
@@ -227,8 +227,8 @@ def _session(kv, reads_inexact=False):
     return SessionProvenance(torch.tensor(kv, dtype=torch.float32), reads_inexact)
 
 
-EXACT_FIRST = dataclasses.replace(CFG, exactness="exact_first")
-STRICT = dataclasses.replace(CFG, exactness="exact")
+EXACT_FIRST = CFG.replaced(exactness="exact_first")
+STRICT = CFG.replaced(exactness="exact")
 
 
 def test_a_session_turn_continues_its_slot_with_the_slots_bound():

@@ -17,8 +17,8 @@ from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
 from sglang_ext.tail_replay.request import plan_of, record_of
 from tests.tail_replay.test_cache_pools import A, Harness, floor_page, seq
 
-RECOMPUTE = TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="recompute")
-EXACT = TailReplayConfig(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="exact")
+RECOMPUTE = TailReplayConfig.of(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="recompute")
+EXACT = TailReplayConfig.of(budget=0.1, min_replay_tokens=4, min_match_tokens=8, kv_mode="exact")
 
 
 def row(h, req, lo, hi) -> list[int]:

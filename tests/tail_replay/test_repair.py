@@ -5,7 +5,6 @@ no server (the served path: tests/e2e/test_tail_replay_server.py)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -33,7 +32,7 @@ def _marked(overrides: dict) -> dict:
 
 
 def test_off_by_default():
-    assert DEFAULTS.repair is False
+    assert DEFAULTS.knobs.repair is False
     assert not repair_due(DEFAULTS, exact=False, finished=True)
 
 
@@ -45,7 +44,7 @@ def test_only_a_finished_answer_that_was_not_exact_is_repaired(exact, finished, 
 
 @pytest.mark.parametrize("overrides", [{"repair_of": "r1"}, {"audit_of": "r1"}, {"exactness": "exact"}])
 def test_background_runs_and_the_exact_mode_are_never_repaired(overrides):
-    config = replace(ON, **overrides)
+    config = ON.replaced(**overrides)
     assert not repair_due(config, exact=False, finished=True)
 
 
@@ -58,12 +57,12 @@ def test_the_sequence_is_what_sglang_caches_for_a_finished_request():
 def test_repair_run_overrides_are_a_valid_request_that_is_exact_and_not_repaired_again():
     config = request_overrides(ON, _marked(repair_overrides("rid-7")))
     assert config.strict and config.repair_of == "rid-7" and config.background
-    assert config.keep_checkpoints == ON.keep_checkpoints   # the server's way of keeping states
+    assert config.knobs.keep_checkpoints == ON.knobs.keep_checkpoints   # the server's way of keeping states
     assert not repair_due(config, exact=False, finished=True)
 
 
 def test_config_keys():
-    assert config_from_dict({"repair": True}).repair is True
+    assert config_from_dict({"repair": True}).knobs.repair is True
     with pytest.raises(TailReplayConfigError, match="'repair_of': is set by the server.*a server config cannot"):
         config_from_dict({"repair_of": "x"})
     with pytest.raises(TailReplayConfigError, match="'repair'.*wrong type"):
@@ -72,7 +71,7 @@ def test_config_keys():
                                                     "are off \\(server config key 'allow_request_audit_repair' is false"):
         check_request(ON, {"tail_replay": {"repair": True}})
     allowing = config_from_dict({"allow_request_audit_repair": True})
-    assert check_request(allowing, {"tail_replay": {"repair": True}}).repair is True
+    assert check_request(allowing, {"tail_replay": {"repair": True}}).knobs.repair is True
     with pytest.raises(TailReplayConfigError, match="'repair_of': is set by the server.*a request cannot"):
         check_request(allowing, {"tail_replay": {"repair_of": "someone-else"}})
 
@@ -82,13 +81,13 @@ def test_a_request_turns_shared_state_repair_off_freely_but_on_only_where_the_se
     needs `allow_request_audit_repair` (also where the server has it off); `false` is always allowed."""
     off = config_from_dict({"repair_shared": False})
     for base in (DEFAULTS, off):
-        assert check_request(base, {"tail_replay": {"repair_shared": False}}).repair_shared is False
+        assert check_request(base, {"tail_replay": {"repair_shared": False}}).knobs.repair_shared is False
         with pytest.raises(TailReplayConfigError, match="'repair_shared': true is refused on this server: per-request "
                                                         "audit and repair are off \\(server config key "
                                                         "'allow_request_audit_repair' is false"):
             check_request(base, {"tail_replay": {"repair_shared": True}})
     allowing = config_from_dict({"allow_request_audit_repair": True, "repair_shared": False})
-    assert check_request(allowing, {"tail_replay": {"repair_shared": True}}).repair_shared is True
+    assert check_request(allowing, {"tail_replay": {"repair_shared": True}}).knobs.repair_shared is True
 
 
 def _output(details, reasons, rids):
@@ -152,29 +151,29 @@ def test_the_branch_rule_needs_an_approximate_plan_a_branch_and_stocks_branch_st
 
 @pytest.mark.parametrize("overrides", [{"repair_shared": False}, {"repair_of": "r1"}, {"audit_of": "r1"}])
 def test_the_branch_rule_is_off_with_shared_repair_and_for_background_runs(overrides):
-    assert not branch_repair_due(replace(DEFAULTS, **overrides), **KEEPS)
+    assert not branch_repair_due(DEFAULTS.replaced(**overrides), **KEEPS)
 
 
 def test_shared_state_repair_is_on_by_default_for_an_approximate_state_conversations_branch_from():
-    assert DEFAULTS.repair_shared is True
+    assert DEFAULTS.knobs.repair_shared is True
     assert shared_repair_due(DEFAULTS, bound=0.3, branches=2)
     assert shared_repair_due(DEFAULTS, bound=0.3, branches=5)
 
 
-@pytest.mark.parametrize(("bound", "branches"), [(0.3, 1), (0.3, 0), (0.0, 2), (DEFAULTS.exact_threshold, 3)])
+@pytest.mark.parametrize(("bound", "branches"), [(0.3, 1), (0.3, 0), (0.0, 2), (DEFAULTS.server.exact_threshold, 3)])
 def test_a_conversations_own_state_or_an_exact_one_is_not_shared_state_repaired(bound, branches):
     assert not shared_repair_due(DEFAULTS, bound=bound, branches=branches)
 
 
 @pytest.mark.parametrize("overrides", [{"repair_shared": False}, {"repair_of": "r1"}, {"audit_of": "r1"}])
 def test_shared_state_repair_off_and_background_runs_never_ask(overrides):
-    assert not shared_repair_due(replace(DEFAULTS, **overrides), bound=0.3, branches=2)
+    assert not shared_repair_due(DEFAULTS.replaced(**overrides), bound=0.3, branches=2)
 
 
 def test_shared_state_repair_run_overrides_are_exact_background_and_ask_for_nothing():
     config = request_overrides(DEFAULTS, _marked(repair_overrides("rid-8", "shared_state")))
     assert config.strict and config.background and config.repair_of == "rid-8"
-    assert config.repair_kind == "shared_state" and not config.repair_shared and not config.repair
+    assert config.repair_kind == "shared_state" and not config.knobs.repair_shared and not config.knobs.repair
     assert repair_overrides("rid-8")["repair_kind"] == "answer"
 
 
@@ -189,7 +188,7 @@ def test_repair_kind_is_checked_and_only_the_server_sets_it():
         config_from_dict({"repair_kind": "answer"})
     with pytest.raises(TailReplayConfigError, match="'repair_shared'.*wrong type"):
         config_from_dict({"repair_shared": "yes"})
-    assert config_from_dict({"repair_shared": False}).repair_shared is False
+    assert config_from_dict({"repair_shared": False}).knobs.repair_shared is False
 
 
 @pytest.mark.parametrize("field", ["image_data", "video_data", "audio_data", "input_embeds"])

@@ -56,7 +56,7 @@ def test_request_limits_per_server(monkeypatch):
     try:
         assert tail_replay_request._limits_for("radix", "auto") is None   # not a Tail-Replay server
         config, limits = tail_replay_request._limits_for("tail_replay", "fp8_e4m3")
-        assert config.kv_mode == "recompute" and limits.exact_kv_refused and limits.checkpoints_refused
+        assert config.knobs.kv_mode == "recompute" and limits.exact_kv_refused and limits.checkpoints_refused
     finally:
         tail_replay_request._limits_for.cache_clear()
 
@@ -123,7 +123,7 @@ def _kv_exact_total(value: str) -> float:
 def test_kv_exact_is_kept_apart_from_exact(exactness, carry_bound, floor, exact, kv_exact):
     """`exact` (the state counts as exact) and `kv_exact` (everything the answer
     read was exact) in meta_info's summary and in /metrics, once per request."""
-    record = TailReplayRequest(config=TailReplayConfig(exactness=exactness))
+    record = TailReplayRequest(config=TailReplayConfig.of(exactness=exactness))
     carry = None if carry_bound is None else CarryBound(100, math.log(carry_bound))
     record.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 100, 100, 100), carry, floor)
     before = {v: _kv_exact_total(v) for v in ("true", "false")}
@@ -169,7 +169,7 @@ def test_a_retracted_request_is_labelled_by_its_last_match_and_never_becomes_exa
     """A retracted request is matched again over its prompt and the output so far: its label
     reads the bound where that match ended (not the last prompt position), and keeps the bound of
     what it generated under its earlier plan, so a stream that said false never says true."""
-    config = TailReplayConfig(exactness="approximate")
+    config = TailReplayConfig.of(exactness="approximate")
     exact_then_approximate = TailReplayRequest(config=config)
     exact_then_approximate.begin_match(101)
     exact_then_approximate.set_plan(ReplayPlan(HitKind.EXACT_CHECKPOINT, 100, 100, 100))
@@ -201,11 +201,11 @@ def test_input_logprobs_are_labelled_by_every_position_they_read():
     bounds are larger than the last position's (bounds shrink along a replay)."""
     import torch
 
-    record = TailReplayRequest(config=TailReplayConfig(exactness="approximate"))
+    record = TailReplayRequest(config=TailReplayConfig.of(exactness="approximate"))
     record.begin_match(101)
     carry = CarryBound(60, 0.0)
     carry.add_rows(3, 60, torch.full((41, 2), -0.1))
     record.set_plan(ReplayPlan(HitKind.APPROXIMATE, 100, 60, 60), carry)
     assert _label(record, 101)["bound"] == pytest.approx(math.exp(-4.1), rel=1e-5)
-    record.output_bound = None   # (computed once per plan: a fresh look with input logprobs)
+    record.acc.output_bound = None   # (computed once per plan: a fresh look with input logprobs)
     assert _label(record, 101, logprob_start=70)["bound"] == pytest.approx(math.exp(-1.1), rel=1e-5)

@@ -16,7 +16,7 @@ from sglang_ext.tail_replay.request_fields import RequestLimits, request_overrid
 from sglang_ext.tail_replay.startup import ServerFacts, StartupError, check_scheduler_start, check_start, kv_cache_is_quantized, request_limits, summary_line
 
 BASE = TailReplayConfig()
-NO_CKPT = TailReplayConfig(keep_checkpoints=False)
+NO_CKPT = TailReplayConfig.of(keep_checkpoints=False)
 FP8 = ServerFacts(kv_cache_dtype="fp8_e4m3")
 
 
@@ -44,7 +44,7 @@ def test_well_formed_requests_get_their_config():
     assert request_overrides(BASE, None) is BASE
     assert request_overrides(BASE, {"other_plugin": [1]}) is BASE       # other custom params pass through
     assert request_overrides(BASE, {"tail_replay": None}) is BASE
-    assert request_overrides(BASE, {"tail_replay": {"budget": 0.5}}).budget == 0.5
+    assert request_overrides(BASE, {"tail_replay": {"budget": 0.5}}).knobs.budget == 0.5
     assert request_overrides(NO_CKPT, {"tail_replay": {"keep_checkpoints": False}}) == NO_CKPT
 
 
@@ -54,11 +54,11 @@ def test_refused_overrides_name_the_key_and_the_server_setting():
         request_overrides(NO_CKPT, {"tail_replay": {"keep_checkpoints": True}}, limits)
     # the same override is fine on a server with checkpoints
     ok = request_overrides(BASE, {"tail_replay": {"keep_checkpoints": True}}, request_limits(BASE, ServerFacts()))
-    assert ok.keep_checkpoints
-    recompute = TailReplayConfig(kv_mode="recompute")
+    assert ok.knobs.keep_checkpoints
+    recompute = TailReplayConfig.of(kv_mode="recompute")
     with pytest.raises(TailReplayConfigError, match=r"'kv_mode': 'exact' is refused .*--kv-cache-dtype fp8_e4m3"):
         request_overrides(recompute, {"tail_replay": {"kv_mode": "exact"}}, request_limits(recompute, FP8))
-    assert request_overrides(recompute, {"tail_replay": {"budget": 0.2}}, request_limits(recompute, FP8)).budget == 0.2
+    assert request_overrides(recompute, {"tail_replay": {"budget": 0.2}}, request_limits(recompute, FP8)).knobs.budget == 0.2
 
 
 def test_limits_follow_config_and_kv_dtype():
@@ -79,7 +79,7 @@ def test_exact_kv_with_a_quantized_cache_is_refused_naming_both_flags():
     with pytest.raises(StartupError) as err:
         check_start(BASE, FP8)
     assert "--kv-cache-dtype fp8_e4m3" in str(err.value) and "kv_mode 'exact'" in str(err.value)
-    lines = check_start(TailReplayConfig(kv_mode="recompute"), FP8)
+    lines = check_start(TailReplayConfig.of(kv_mode="recompute"), FP8)
     assert len(lines) == 1 and "kv_mode='recompute'" in lines[0] and "kv_mode='exact' (its KV cache" in lines[0]
 
 
@@ -117,7 +117,7 @@ def _ctx(tp_rank, pool_dtype, flag="auto"):
 def test_scheduler_check_uses_the_resolved_kv_dtype_and_logs_on_rank_0_only(caplog):
     import torch
 
-    recompute = TailReplayConfig(kv_mode="recompute")
+    recompute = TailReplayConfig.of(kv_mode="recompute")
     # `--kv-cache-dtype auto` that SGLang resolved to fp8 (a checkpoint asking for an fp8 KV cache)
     with pytest.raises(StartupError, match="float8_e4m3fn"):
         check_scheduler_start(_ctx(0, torch.float8_e4m3fn), BASE)
@@ -140,10 +140,10 @@ def test_server_config_is_parsed_once_per_process(monkeypatch, tmp_path):
     config_module._parsed.cache_clear()
     first = server_config()
     path.write_text('{"budget": 0.5}')            # not re-read: the config is fixed at start-up
-    assert server_config() is first and first.budget == 0.25
+    assert server_config() is first and first.knobs.budget == 0.25
     assert config_module._parsed.cache_info().misses == 1
     monkeypatch.setenv(env.TAIL_REPLAY_CONFIG_VAR, '{"budget": 0.125}')
-    assert server_config().budget == 0.125
+    assert server_config().knobs.budget == 0.125
     config_module._parsed.cache_clear()
 
 

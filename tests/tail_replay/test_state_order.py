@@ -19,7 +19,6 @@ Unit tests below pin the order itself with exact slot ids.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
@@ -63,7 +62,7 @@ from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # no
 
 FULL, MAMBA = ComponentType.FULL, ComponentType.MAMBA
 #: the server defaults (`exactness: "exact_first"`, `state_order: "auto"`) with small replay limits
-CONFIG = TailReplayConfig(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8)
+CONFIG = TailReplayConfig.of(budget=0.1, min_replay_tokens=4, max_replay_tokens=64, min_match_tokens=8)
 
 
 class Server:
@@ -149,7 +148,7 @@ def served_pairs(order: str, script, mamba_size: int, exactness: str = "exact_fi
     - stock resumed a request from an exact state that Tail-Replay held, exact, before the request,
       and Tail-Replay did not resume from an exact state at least as deep."""
     stock = Server(None, mamba_size=mamba_size)
-    tr = Server(dataclasses.replace(CONFIG, state_order=order, exactness=exactness), mamba_size=mamba_size)
+    tr = Server(CONFIG.replaced(state_order=order, exactness=exactness), mamba_size=mamba_size)
     history: list[list[int]] = []
     violations = []
     for step, (stem, cut, new, out, salt) in enumerate(script):
@@ -193,7 +192,7 @@ def test_no_order_gives_back_stocks_exact_state_where_tail_replay_replayed_appro
     computes the same position exactly), the next turn resumes from stock's exact state on stock
     and from the approximate one here, whatever the order and with slots to spare: only a repair
     (an exact recomputation) can give that state back."""
-    stock, tr = Server(None, mamba_size=8), Server(dataclasses.replace(CONFIG, state_order=order), mamba_size=8)
+    stock, tr = Server(None, mamba_size=8), Server(CONFIG.replaced(state_order=order), mamba_size=8)
     turn = STEMS[0][:20] + list(range(7000, 7008))
     for tokens in (STEMS[0], turn):
         stock.run(tokens)
@@ -229,9 +228,9 @@ def test_the_model_catches_an_order_that_puts_exact_states_first():
 @pytest.mark.parametrize(("exactness", "order"), [("exact_first", "stock_last"), ("exact", "stock_last"),
                                                    ("approximate", "lru")])
 def test_auto_resolves_by_the_servers_exactness(exactness, order):
-    assert resolved_order(dataclasses.replace(CONFIG, exactness=exactness)) == order
-    assert resolved_order(dataclasses.replace(CONFIG, exactness=exactness, state_order="ends")) == "ends"
-    assert TailReplayConfig().state_order == "auto"
+    assert resolved_order(CONFIG.replaced(exactness=exactness)) == order
+    assert resolved_order(CONFIG.replaced(exactness=exactness, state_order="ends")) == "ends"
+    assert TailReplayConfig().server.state_order == "auto"
 
 
 @pytest.mark.parametrize("exactness", ["exact_first", "approximate"])
@@ -240,7 +239,7 @@ def test_the_default_frees_the_approximate_state_before_the_least_recently_used_
     an approximate end state at 28 (a replay of A's first 20 tokens), B's and C's exact states.
     D needs a slot: under "exact_first" the approximate state goes (A's next turn resumes exactly
     from 40, as on stock); under "approximate" SGLang's LRU order frees A's state."""
-    tr = Server(dataclasses.replace(CONFIG, exactness=exactness), mamba_size=4)
+    tr = Server(CONFIG.replaced(exactness=exactness), mamba_size=4)
     a = STEMS[0]
     tr.run(a)
     replay = tr.run(a[:20] + list(range(7000, 7008)))
@@ -271,7 +270,7 @@ def test_an_exact_state_stock_let_go_goes_before_one_stock_holds(order):
     while stock still holds it, and the turn after, branching at 20, replays approximately where
     stock resumes exactly. The default frees the state at 40 first (stock let it go) and keeps
     stock's order for the rest."""
-    stock, tr = Server(None, mamba_size=4), Server(dataclasses.replace(CONFIG, state_order=order), mamba_size=4)
+    stock, tr = Server(None, mamba_size=4), Server(CONFIG.replaced(state_order=order), mamba_size=4)
     s0, s1, s2 = STEMS
 
     def serve(tokens):

@@ -13,7 +13,6 @@ from sglang_ext import patches  # noqa: E402
 
 patches.apply_patches("cpu")  # before any SGLang import
 
-from dataclasses import replace  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -61,7 +60,7 @@ def test_a_registered_policy_order_runs_the_walk_it_is_chosen_for():
     add_state_order("highest_id_first", lambda site: HighestIdFirst(site.tree_core, site.component_type),
                     chosen_when=lambda tree_core: tree_core is core)
     try:
-        lru = replace(CONFIG, state_order="lru")
+        lru = CONFIG.replaced(state_order="lru")
         assert _evict(_walk(core, lru), 3) == [5, 3, 2]
         assert _evict(_walk(other, lru), 3) == [1, 2, 3]   # not chosen: the config's
     finally:

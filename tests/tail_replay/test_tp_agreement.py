@@ -63,7 +63,7 @@ def _decide(log_decay: torch.Tensor, shards) -> dict:
         offset += n
         done = {k: done[k] + chunk[k] for k in "ABC"}
     bound = summarize(tail, 40)
-    config = TailReplayConfig(exactness="approximate", min_match_tokens=1, min_replay_tokens=1)
+    config = TailReplayConfig.of(exactness="approximate", min_match_tokens=1, min_replay_tokens=1)
     return {
         "state_bound": bound.state_bound, "per_layer": bound.per_layer,
         "carried": carried_bounds(carry, 0, 38, 0.0),
