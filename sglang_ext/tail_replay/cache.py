@@ -12,6 +12,7 @@ composition and built once the cache is (`build_parts`):
 | `sessions` (`StreamingTurns`, asked only for a session's requests) | `sessions` | a streaming session's turns: their plan, refusal, provenance |
 | `claims` (`OwnTailClaims`, asked only for a request with a recompute tail) | `own_tail` | `kv_mode: "recompute"`: a request's own recomputed tail |
 | `kv_past_state` (`KvPastTheState`) | `kv_past_state` | the KV past a finished request's last state (extra buffer) |
+| `byte_budget` (`ByteBudget`, asked only with `--enable-unified-memory`) | `byte_budget` | under one byte budget, which states go before KV |
 
 Insert-time state is one object, `inserting` (`insert_provenance.InsertContext`: the inserting
 request's record, prompt length, session history), set for the time a request's
@@ -33,6 +34,7 @@ from sglang.srt.mem_cache.unified_cache.components import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from sglang_ext.tail_replay.branch_rules import SharedRepairRules
+from sglang_ext.tail_replay.byte_budget import ByteBudget
 from sglang_ext.tail_replay.component import TailReplayMambaComponent
 from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, server_config
 from sglang_ext.tail_replay.insert_provenance import NO_REQUEST, InsertContext
@@ -74,6 +76,8 @@ class TailReplayRadixCache(UnifiedRadixCache):
         self.sessions = StreamingTurns(self, self.planner.record)
         self.claims = OwnTailClaims(self.req_to_token_pool, self.token_to_kv_pool_allocator)
         self.kv_past_state = KvPastTheState(self, self.claims)
+        #: asked only while KV and states share one byte buffer (`--enable-unified-memory`)
+        self.byte_budget = ByteBudget(self)
 
     # ---- what the parts and the Mamba component read --------------------------------------------
     def request_record(self, req: Any) -> TailReplayRequest:
@@ -155,6 +159,22 @@ class TailReplayRadixCache(UnifiedRadixCache):
         elif not self.host_tier.is_storage_probe(params):
             result = self.planner.apply(params.req, result, self.host_tier, self.repair)
         return super()._finalize_match_result(params, result)
+
+    def evict_for_alloc(self, params: Any, *, allocation_reclaim_satisfied: Any = None) -> Any:
+        """Under one byte budget, the states worth less per byte than KV go first (`ByteBudget`),
+        then SGLang's own eviction frees what is still short. A joint-reclaim walk (the predicate
+        form), static pools and `byte_budget: false` run SGLang's eviction alone."""
+        if (self.disable or allocation_reclaim_satisfied is not None or not hasattr(self, "byte_budget")
+                or not self.tail_replay_config.server.byte_budget or not self.byte_budget.shared()):
+            return super().evict_for_alloc(params, allocation_reclaim_satisfied=allocation_reclaim_satisfied)
+        early, rest = self.byte_budget.states_first(params)
+        if not (rest.num_tokens or rest.swa_num_tokens or rest.mamba_num):
+            return early
+        late = super().evict_for_alloc(rest)
+        late.num_tokens_evicted += early.num_tokens_evicted
+        late.swa_num_tokens_evicted += early.swa_num_tokens_evicted
+        late.mamba_num_evicted += early.mamba_num_evicted
+        return late
 
     def init_load_back(self, params: Any) -> Any:
         if not self.tiers_on():

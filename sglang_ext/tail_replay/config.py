@@ -166,6 +166,9 @@ class ServerConfig:
     state_order: str = "auto"
     #: "exact_unless_pressed": the load thresholds and tolerance (JSON object; pressure.py)
     pressure: PressurePolicy | None = None
+    #: `--enable-unified-memory`: states worth less per byte than KV go before KV under pressure
+    #: (byte_budget.py); false: SGLang's own unified-memory eviction (KV first on a state shortfall)
+    byte_budget: bool = True
     #: the profile read from `decay_profile` (not a key: filled when the config is parsed)
     profile: DecayProfile | None = field(default=None, compare=False, repr=False)
 
@@ -335,6 +338,7 @@ _TYPES: dict[str, type | tuple[type, ...]] = {
     "tolerance": (int, float), "decay_percentile": int, "decay_profile": str,
     "exactness": str, "exact_threshold": (int, float), "audit_rate": (int, float), "audit": bool,
     "state_order": str, "repair": bool, "repair_shared": bool, "allow_request_audit_repair": bool,
+    "byte_budget": bool,
     "pressure": dict}
 
 

@@ -83,6 +83,11 @@ def _counters() -> dict:
             "comma-separated; empty: not pressed) and outcome: approximate (an approximate plan within the "
             "tolerance), beyond_tolerance (the approximate plan's bound was above it: served exactly), exact "
             "(pressed, the plan was exact anyway), not_pressed", ["pressed_by", "outcome"]),
+        "states_first": Counter(
+            "sglang_ext:tail_replay_states_freed_before_kv",
+            "--enable-unified-memory: cached states freed before any KV because each was worth less per "
+            "byte than KV (the replay it saved was shorter than its bytes' worth of KV tokens), by the "
+            "shortfall that asked (state: a new state's bytes; kv: KV's bytes)", ["shortfall"]),
         "audits": Counter(
             "sglang_ext:tail_replay_audits",
             "Live quality audits recorded, by trigger and by whether the served and the exact reference's "
@@ -262,3 +267,9 @@ def record_audit(trigger: str, divergence: Divergence) -> None:
         counters["audit_kl"].labels(trigger=trigger).observe(divergence.kl)
         counters["audit_tv"].labels(trigger=trigger).observe(divergence.tv)
         counters["audits"].labels(trigger=trigger, top1_agree=str(divergence.top1_agree).lower()).inc()
+
+
+def record_states_freed_first(shortfall: str, count: int) -> None:
+    """States the byte budget freed before KV for a `shortfall` ("state" or "kv")."""
+    if count > 0 and _this_rank_records():
+        _counters()["states_first"].labels(shortfall=shortfall).inc(count)

@@ -36,8 +36,9 @@ config's order observes every insert, match and reset, whichever order runs the 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
@@ -254,6 +255,8 @@ class StateEvictionWalk:
         self._config_order: StateOrder | None = None
         self.walk_order: StateOrder | None = None
         self.request_cnt = 0
+        #: while set (`gated`), the walk frees only states that pass it, least recently used first
+        self.gate: Callable[[Any], bool] | None = None
 
     @property
     def config_order(self) -> StateOrder:
@@ -280,7 +283,10 @@ class StateEvictionWalk:
         ct = self.component.component_type
         if tracker[ct] >= self.request_cnt or self.walk_order is None:
             return None
-        victim = self.walk_order.next_victim()
+        if self.gate is not None:
+            victim = first_unlocked_state(self.site.tree_core.lru_lists[ct], ct, self.gate)
+        else:
+            victim = self.walk_order.next_victim()
         if victim is None:
             return None
         core = self.site.tree_core
@@ -289,6 +295,19 @@ class StateEvictionWalk:
                                              cache_actions=cache_actions)
         core._update_evictable_leaf_sets(victim)
         return None
+
+    @contextlib.contextmanager
+    def gated(self, may_go: Callable[[Any], bool]) -> Iterator[None]:
+        """Walks inside this block free only unlocked states whose node passes `may_go` (asked
+        afresh at each step: freeing one may change another's answer), least recently used first,
+        instead of the config order's victims; the walk ends when none passes. Not with the session
+        radix cache (its LRU is partitioned: the byte budget does not run there). May mutate: the
+        gate (set for the block)."""
+        self.gate = may_go
+        try:
+            yield
+        finally:
+            self.gate = None
 
     def end(self) -> None:
         """The walk is over. May mutate: the orders' state."""

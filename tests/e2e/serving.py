@@ -94,3 +94,24 @@ class OverlapServer(ServerProcess):
                 "launcher.CPU_DEFAULTS.pop('--disable-overlap-schedule'); launcher.serve(sys.argv[1:])")
         return [sys.executable, "-c", code, "--model-path", self.model_path,
                 "--host", "127.0.0.1", "--port", str(self.port), *self.extra_args]
+
+
+def conversation_turns(server, conversations: int, turns: int, *, first: int = 200, turn_tokens: int = 60,
+                       new_tokens: int = 4) -> list[dict]:
+    """Multi-turn conversations served one request at a time, turn by turn across the conversations
+    (round robin, so they compete for the cache): a `first`-token first prompt, each later turn the
+    previous prompt, its greedy output and a `turn_tokens`-token user turn. One row per request:
+    turn, conversation, prompt tokens, cached tokens, the Tail-Replay label's exact and kind (None
+    on a server without Tail-Replay), output ids."""
+    convs = [random_prompt(first, seed=c) for c in range(conversations)]
+    rows = []
+    for turn in range(turns):
+        for c in range(conversations):
+            result = greedy(server, convs[c], new_tokens)
+            meta = result["meta_info"]
+            label = (meta.get("cached_tokens_details") or {}).get("tail_replay") or {}
+            rows.append({"turn": turn, "conversation": c, "prompt_tokens": len(convs[c]),
+                         "cached_tokens": meta["cached_tokens"], "exact": label.get("exact"),
+                         "kind": label.get("kind"), "output_ids": result["output_ids"]})
+            convs[c] = convs[c] + result["output_ids"] + random_prompt(turn_tokens, seed=1000 + 50 * turn + c)
+    return rows
