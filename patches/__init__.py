@@ -19,7 +19,8 @@ request through them): `tail_replay/request` (request check on arrival), `tail_r
 `tail_replay/pages` (start-up: state-pool size, pages > 1), `tail_replay/host_pools` (start-up,
 HiCache: the whole host budget to KV, the host tier holds no states), `tail_replay/batch` (tail rows per
 forward batch, metrics), `tail_replay/attention` and `tail_replay/prefill_graph` (exact cached K/V
-for the tail), `tail_replay/linear_bound` (each approximate replay's state bound from its tail's
+for the tail), `tail_replay/forward_scope` (whether the running forward has rows to bound),
+`tail_replay/linear_bound` (each approximate replay's state bound from its tail's
 gates, at every registered linear-layer kind's seams: `sglang_ext.tail_replay.linear_kinds`), `tail_replay/meta` (the per-request summaries in meta_info,
 Tail-Replay's and LinearKV's), `shared/ipc_json` (request fields and
 those summaries across SGLang's IPC in both modes; after the audit's patch, so its decoding runs
@@ -80,7 +81,8 @@ CPU_PATCHES: tuple[str, ...] = (
 )
 #: Applied in both modes (the extension's own seams).
 EXT_PATCHES: tuple[str, ...] = (
-    "tail_replay.batch", "tail_replay.attention", "tail_replay.prefill_graph", "tail_replay.linear_bound",
+    "tail_replay.batch", "tail_replay.attention", "tail_replay.prefill_graph", "tail_replay.forward_scope",
+    "tail_replay.linear_bound",
     "tail_replay.meta", "tail_replay.audit", "tail_replay.repair", "shared.ipc_json", "tail_replay.request",
     "tail_replay.pressure", "tail_replay.session", "shared.session_tenancy", "tail_replay.sizing",
     "tail_replay.pages", "tail_replay.host_pools", "shared.request_token_ids", "linearkv.request",

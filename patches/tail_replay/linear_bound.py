@@ -16,9 +16,10 @@ carried rows' provenance bounds (`CarrySegments.accumulate`: one gather, one cum
 Not covered: extends inside a prefill CUDA graph where a seam says `outside_prefill_graph` (GDN:
 the forward is only captured there); layers a kind's `gates` does not recognise (KDA through
 GDN's class). Such a request's bound is reported as None, since its sums then miss tokens
-(`state_bound.summarize`). While no remembered batch has a row to bound (`batch.any_bound_rows`: the
-memo keeps only batches with tails, so after an approximate replay this holds again only once 16
-later tail batches have pushed it out) a wrapper calls straight through. The wrappers read the registry on every call: a kind registered later
+(`state_bound.summarize`). Where the running forward's batch has no row to bound
+(`patches/tail_replay/forward_scope.py`, set per `ModelRunner.forward`) a wrapper calls straight
+through, before any kind parses its call; outside a `ModelRunner.forward` it does so while no
+remembered batch has one (`batch.any_bound_rows`). The wrappers read the registry on every call: a kind registered later
 at an already wrapped target is served, an unregistered one is passed through.
 """
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_ext.patches.tail_replay.batch import any_bound_rows, bound_segments_of, carry_segments_of
+from sglang_ext.patches.tail_replay.forward_scope import forward_bound_rows
 from sglang_ext.tail_replay import (
     BoundSegments,
     CarrySegments,
@@ -130,8 +132,9 @@ def _hook(target: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> context
 def _wrap(original: Callable, target: str) -> Callable:
     @functools.wraps(original)
     def seam(*args: Any, **kwargs: Any) -> Any:
-        if not any_bound_rows():   # no remembered batch has a row to bound: nothing to sum
-            return original(*args, **kwargs)
+        bounded = forward_bound_rows()   # the running forward's batch, where a ModelRunner.forward runs
+        if bounded is False or (bounded is None and not any_bound_rows()):
+            return original(*args, **kwargs)   # nothing to sum
         token = _hook(target, args, kwargs)
         try:
             return original(*args, **kwargs)

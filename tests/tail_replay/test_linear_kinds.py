@@ -243,3 +243,34 @@ def test_the_seam_calls_straight_through_while_no_batch_has_a_row_to_bound(toy_m
     for n in range(2 * tail_batch._MAX_BATCHES_IN_FLIGHT + 1):   # the tail's batch leaves the memo
         _extend_batch([7 + n], None)
     assert not tail_batch.any_bound_rows() and tail_batch._bounded_entries == 0
+
+
+def test_within_a_forward_the_seam_follows_that_forwards_batch_alone(toy_module, monkeypatch):
+    """`patches/tail_replay/forward_scope.py`: inside a `ModelRunner.forward` call, a batch without
+    rows to bound calls straight through even while another remembered batch has a tail (an exact
+    hit right after an approximate replay), and a batch with a tail is hooked; outside a forward
+    the seam keeps its own test."""
+    from sglang_ext.patches.tail_replay import forward_scope
+
+    register_linear_kind(_toy_kind(toy_module))
+    linear_bound.apply()
+    monkeypatch.setattr(tail_batch, "_TAIL_BY_BATCH", type(tail_batch._TAIL_BY_BATCH)())
+    monkeypatch.setattr(tail_batch, "_bounded_entries", 0)
+    hooked = []
+    monkeypatch.setattr(linear_bound, "_hook", lambda target, args, kwargs: hooked.append(target))
+    mixer = ToyMixer(4, 3)
+    tailed = _extend_batch([5], bound_segments([(TailDecay(), 1, 4)], prefix_lens=[0], extend_lens=[5]))
+    plain = _extend_batch([4], None)
+    assert tail_batch.any_bound_rows()
+
+    class Runner:
+        def forward(self, forward_batch, rows):
+            return mixer(forward_batch, torch.ones(1), torch.randn(rows, 3))
+
+    run = forward_scope._wrap_forward(Runner.forward)
+    run(Runner(), plain, 4)
+    assert hooked == [] and forward_scope.forward_bound_rows() is None   # reset after the call
+    run(Runner(), tailed, 5)
+    assert len(hooked) == 1
+    mixer(plain, torch.ones(1), torch.randn(4, 3))   # outside a forward: any remembered tail counts
+    assert len(hooked) == 2
