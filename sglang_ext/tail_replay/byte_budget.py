@@ -7,7 +7,8 @@ evicts full-attention KV first, on a KV shortfall only KV leaves (a state goes o
 Tail-Replay can rebuild a state by replaying KV, but cannot rebuild KV. So here, before stock's
 eviction runs, states whose value per byte is below KV's are freed first, least recently used
 first (`state_order.StateEvictionWalk.gated`; each state's value asked afresh at each step, since
-freeing one lengthens the replay its neighbours below save), until none is left that is worth less:
+freeing one lengthens the replay its neighbours below save, of the 64 least recently used states:
+`GATED_SCAN`), until none of them is worth less:
 
 - a KV token saves at most one token of prefill, per KV token of bytes;
 - a state at depth d saves a request resuming there the recompute back to the nearest exact state

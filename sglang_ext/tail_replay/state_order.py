@@ -123,16 +123,25 @@ def stock_shortfall(request_cnt: int, held: int, stock_held: int) -> int:
     return max(0, request_cnt - held + stock_held)
 
 
-def first_unlocked_state(lru: Any, component_type: Any, goes_first: Callable[[Any], bool]) -> Any:
-    """The least recently used unlocked state of `lru` whose node `goes_first(node)`, or None.
-    Reads only."""
+def first_unlocked_state(lru: Any, component_type: Any, goes_first: Callable[[Any], bool],
+                         limit: int | None = None) -> Any:
+    """The least recently used unlocked state of `lru` whose node `goes_first(node)`, or None;
+    with `limit`, among the `limit` least recently used unlocked states only. Reads only."""
     node = lru.get_lru_no_lock()
-    while node is not None:
+    while node is not None and (limit is None or limit > 0):
         data = node.component_data[component_type]
-        if data.value is not None and data.lock_ref == 0 and goes_first(node):
-            return node
+        if data.value is not None and data.lock_ref == 0:
+            if goes_first(node):
+                return node
+            limit = None if limit is None else limit - 1
         node = lru.get_prev_no_lock(node)
     return None
+
+
+#: a gated walk (`StateEvictionWalk.gated`) asks its gate of at most this many of the least
+#: recently used unlocked states per step (a gate may walk each one's path: the cost stays bounded
+#: however many states the tree holds)
+GATED_SCAN = 64
 
 
 class LruOrder(StateOrder):
@@ -284,7 +293,7 @@ class StateEvictionWalk:
         if tracker[ct] >= self.request_cnt or self.walk_order is None:
             return None
         if self.gate is not None:
-            victim = first_unlocked_state(self.site.tree_core.lru_lists[ct], ct, self.gate)
+            victim = first_unlocked_state(self.site.tree_core.lru_lists[ct], ct, self.gate, GATED_SCAN)
         else:
             victim = self.walk_order.next_victim()
         if victim is None:
@@ -299,8 +308,9 @@ class StateEvictionWalk:
     @contextlib.contextmanager
     def gated(self, may_go: Callable[[Any], bool]) -> Iterator[None]:
         """Walks inside this block free only unlocked states whose node passes `may_go` (asked
-        afresh at each step: freeing one may change another's answer), least recently used first,
-        instead of the config order's victims; the walk ends when none passes. Not with the session
+        afresh at each step, of the `GATED_SCAN` least recently used: freeing one may change
+        another's answer), least recently used first, instead of the config order's victims; the
+        walk ends when none of them passes. Not with the session
         radix cache (its LRU is partitioned: the byte budget does not run there). May mutate: the
         gate (set for the block)."""
         self.gate = may_go

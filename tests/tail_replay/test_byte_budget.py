@@ -162,3 +162,22 @@ def test_both_shortfalls_at_once_free_for_the_states_then_for_the_kv():
     result, rest = budget.states_first(EvictParams(num_tokens=4, mamba_num=1))
     assert core.freed == [2, 4] and cache.recorded == [("state", 1), ("kv", 1)]
     assert rest == EvictParams(num_tokens=0, mamba_num=0)
+
+
+def test_a_gated_step_asks_only_the_least_recently_used_states_up_to_its_limit():
+    from sglang_ext.tail_replay.state_order import first_unlocked_state
+
+    core = FakeCore()
+    nodes = _chain(core, [True, True, True, True])
+    lru = core.lru_lists[MAMBA]
+    asked = []
+
+    def last_only(node):
+        asked.append(node.id)
+        return node.id == 4
+
+    assert first_unlocked_state(lru, MAMBA, last_only, limit=2) is None and asked == [1, 2]
+    nodes[0].component_data[MAMBA].lock_ref = 1            # a locked state is not counted
+    asked.clear()
+    assert first_unlocked_state(lru, MAMBA, last_only, limit=3) is nodes[3] and asked == [2, 3, 4]
+    assert first_unlocked_state(lru, MAMBA, last_only) is nodes[3]
