@@ -22,8 +22,8 @@ This checks the mechanism and the per-request dominance, not a GPU speed-up.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/byte_budget_check.py --out runs/byte-budget
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/byte_budget_check.py --layout proportioned \
-        --first-prompt 1000 --user-turn 300 --chunk 256 --kv-tokens 6000 --state-slots 8 \
-        --alt-state-slots 12 --out runs/byte-budget-proportioned
+        --first-prompt 1000 --user-turn 300 --chunk 256 --kv-tokens 8000 --state-slots 12 \
+        --alt-state-slots 16 --out runs/byte-budget-proportioned
 """
 
 from __future__ import annotations
