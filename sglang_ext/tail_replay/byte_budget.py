@@ -17,8 +17,11 @@ freeing one lengthens the replay its neighbours below save, of the 64 least rece
   KV when d - u < token_cost;
 - under the exact modes (`exact_first`, `exact`, `exact_unless_pressed`) a state with no exact
   state above it on its path is what keeps its path's hits exact (without it `exact_first` replays
-  approximately where stock resumed exactly), so it never goes before KV; under `approximate` every
-  state may (an approximate replay takes its place).
+  approximately where stock resumed exactly), so it never goes before KV; nor does a state its
+  conversation has not gone on past (a conversation's end or a branch point: where the next
+  request resumes; the price above counts every KV token as if it would be read again, which the
+  coldest KV often is not); under `approximate` every state may (an approximate replay takes its
+  place).
 
 Freeing a state gives its bytes to the KV side only while the allocator may move pages
 (`moves_blocked`: a HiCache transfer or a PD transfer in flight holds them); then this pass frees
@@ -33,18 +36,22 @@ from typing import Any
 
 from sglang_ext.tail_replay.metrics import record_states_freed_first
 from sglang_ext.tail_replay.provenance import counts_exact
+from sglang_ext.tail_replay.state_order import continues_to_a_state
 from sglang_ext.tail_replay.tree_provenance import provenance_of
 
 
-def goes_before_kv(depth: int, exact_above: int | None, token_cost: int, *, exact_mode: bool) -> bool:
+def goes_before_kv(depth: int, exact_above: int | None, token_cost: int, *, exact_mode: bool,
+                   moved_past: bool = True) -> bool:
     """Whether a state at `depth` is worth less per byte than KV (pure): it saves `depth -
     exact_above` tokens of recompute for `token_cost` KV tokens of bytes. `exact_above`: the depth
     of the nearest exact state above it on its path, None where there is none (the root's zero
     state does not count: a path without an exact state is replayed approximately under
-    `exact_first`)."""
+    `exact_first`). `moved_past`: its conversation has gone on past it (a state further down its
+    single line); a conversation's end or a branch point, where the next request resumes, is kept
+    before KV under the exact modes."""
     if not exact_mode:
         return True
-    if exact_above is None:
+    if exact_above is None or not moved_past:
         return False
     return depth - exact_above < token_cost
 
@@ -131,7 +138,7 @@ class ByteBudget:
 
         def worth_freeing(node: Any) -> bool:
             return goes_before_kv(_depth(node), exact_state_above(node, mamba, threshold), token_cost,
-                                  exact_mode=exact_mode)
+                                  exact_mode=exact_mode, moved_past=continues_to_a_state(node, mamba))
 
         with cache.components[mamba].states.gated(worth_freeing):
             result = cache._evict(EvictParams(mamba_num=evictable), {mamba: (kind, target)})

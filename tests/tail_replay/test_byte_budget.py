@@ -34,6 +34,12 @@ def test_a_state_goes_before_kv_when_it_saves_less_than_its_bytes_of_kv(depth, a
     assert goes_before_kv(depth, above, cost, exact_mode=exact_mode) is goes
 
 
+def test_where_the_next_request_resumes_a_state_stays_before_kv_under_the_exact_modes():
+    """A conversation's end or a branch point (its conversation has not gone on past it)."""
+    assert not goes_before_kv(100, 0, 3100, exact_mode=True, moved_past=False)
+    assert goes_before_kv(100, 0, 3100, exact_mode=False, moved_past=False)
+
+
 def test_the_exact_state_above_skips_approximate_and_stateless_nodes():
     core = FakeCore()
     one, two, three, four = _chain(core, [True, True, False, True])   # depths 4, 8, 12, 16
@@ -135,7 +141,8 @@ def test_the_only_exact_state_on_a_path_never_goes_before_kv_under_the_exact_mod
 
     budget, _, core = _budget_on_chain([1, 2, 3, 4])
     budget.states_first(EvictParams(mamba_num=4))
-    assert core.freed == [2, 4]     # node 1 is its path's only exact state above; then node 3 saves 8
+    # node 1 is its path's only exact state; node 3 then saves 8; node 4 is the conversation's end
+    assert core.freed == [2]
     budget, _, core = _budget_on_chain([1, 2, 3, 4], CONFIG.replaced(exactness="approximate"))
     budget.states_first(EvictParams(mamba_num=2))
     assert core.freed == [1, 2]     # "approximate": every state may go, least recently used first
@@ -147,8 +154,8 @@ def test_a_kv_shortfall_frees_states_only_while_their_bytes_can_reach_the_kv_sid
 
     budget, cache, core = _budget_on_chain([2, 3, 1, 4])
     result, rest = budget.states_first(EvictParams(num_tokens=10))
-    assert core.freed == [2, 4] and cache.targets == [{MAMBA: (ComponentType.FULL, 10)}]
-    assert rest == EvictParams(num_tokens=0) and cache.recorded == [("kv", 2)]
+    assert core.freed == [2] and cache.targets == [{MAMBA: (ComponentType.FULL, 10)}]
+    assert rest == EvictParams(num_tokens=4) and cache.recorded == [("kv", 1)]   # 6 of the 10 tokens
     budget, cache, core = _budget_on_chain([2, 3, 1, 4], blocked=True)   # a transfer holds the pages
     result, rest = budget.states_first(EvictParams(num_tokens=10))
     assert result.mamba_num_evicted == 0 and rest == EvictParams(num_tokens=10)
@@ -158,9 +165,9 @@ def test_a_kv_shortfall_frees_states_only_while_their_bytes_can_reach_the_kv_sid
 def test_both_shortfalls_at_once_free_for_the_states_then_for_the_kv():
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-    budget, cache, core = _budget_on_chain([2, 3, 1, 4])
+    budget, cache, core = _budget_on_chain([2, 3, 1, 4], CONFIG.replaced(exactness="approximate"))
     result, rest = budget.states_first(EvictParams(num_tokens=4, mamba_num=1))
-    assert core.freed == [2, 4] and cache.recorded == [("state", 1), ("kv", 1)]
+    assert core.freed == [2, 3] and cache.recorded == [("state", 1), ("kv", 1)]
     assert rest == EvictParams(num_tokens=0, mamba_num=0)
 
 
