@@ -278,6 +278,11 @@ class StateEvictionWalk:
         """A walk that must free `request_cnt` states begins (after SGLang's own start). May
         mutate: the orders' state, which order runs the walk."""
         self.request_cnt = request_cnt
+        if self.gate is not None:
+            # a gated walk picks its own victims (the byte budget's, `gated`): no order runs, and
+            # the config order's state (the stock shadow) sees no walk: stock would free nothing here
+            self.walk_order = self.config_order
+            return
         self.config_order.start(request_cnt)
         chosen = chosen_state_order(self.site.tree_core)
         self.walk_order = self.config_order
@@ -321,6 +326,9 @@ class StateEvictionWalk:
 
     def end(self) -> None:
         """The walk is over. May mutate: the orders' state."""
+        if self.gate is not None:   # a gated walk started no order
+            self.walk_order = None
+            return
         if self.walk_order is not None and self.walk_order is not self.config_order:
             self.walk_order.end()
         self.walk_order = None

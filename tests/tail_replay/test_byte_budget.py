@@ -12,6 +12,8 @@ from sglang_ext import patches  # noqa: E402
 
 patches.apply_patches("cpu")  # before any SGLang import
 
+from types import SimpleNamespace  # noqa: E402
+
 import pytest  # noqa: E402
 
 from sglang_ext.tail_replay.byte_budget import exact_state_above, goes_before_kv  # noqa: E402
@@ -188,3 +190,20 @@ def test_a_gated_step_asks_only_the_least_recently_used_states_up_to_its_limit()
     asked.clear()
     assert first_unlocked_state(lru, MAMBA, last_only, limit=3) is nodes[3] and asked == [2, 3, 4]
     assert first_unlocked_state(lru, MAMBA, last_only) is nodes[3]
+
+
+def test_a_gated_walk_starts_no_order_so_the_stock_shadow_sees_no_walk():
+    """The byte budget's walk asks to free every evictable state (its gate and target stop it): if
+    the config order were started with that count, `stock_last` would drop its whole shadow of
+    stock's states (`stock_shortfall`)."""
+    core = FakeCore()
+    _chain(core, [True, True, True, True])
+    walk = _walk(core, CONFIG.replaced(state_order="lru"))
+    calls = []
+    walk._config_order = SimpleNamespace(start=lambda n: calls.append(("start", n)), end=lambda: calls.append("end"),
+                                         next_victim=lambda: None)
+    with walk.gated(lambda node: node.id == 2):
+        assert _evict(walk, 4) == [2]
+    assert calls == [] and walk.walk_order is None
+    _evict(walk, 1)
+    assert calls == [("start", 1), "end"]
