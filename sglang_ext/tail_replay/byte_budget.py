@@ -56,10 +56,10 @@ def goes_before_kv(depth: int, exact_above: int | None, token_cost: int, *, exac
     return depth - exact_above < token_cost
 
 
-def exact_state_above(node: Any, mamba: Any, threshold: float) -> int | None:
-    """The depth of the nearest state above `node` on its path that counts exact under
-    `threshold`, or None. Reads only."""
-    depth = _depth(node)
+def exact_state_above(node: Any, mamba: Any, threshold: float, depth: int | None = None) -> int | None:
+    """The depth of the nearest state above `node` (at `depth`, walked from the root when not
+    given) on its path that counts exact under `threshold`, or None. Reads only."""
+    depth = _depth(node) if depth is None else depth
     while node.parent is not None and node.parent.parent is not None:   # the root holds no state
         depth -= len(node.key)
         node = node.parent
@@ -90,7 +90,6 @@ class ByteBudget:
         self.record = record
         #: states this cache freed before KV (for the metrics and the tests)
         self.states_freed = 0
-        self._left = 0
 
     def shared(self) -> bool:
         """Whether KV and states share one byte buffer (`--enable-unified-memory`). Reads only."""
@@ -110,17 +109,19 @@ class ByteBudget:
         if getattr(cache.components.get(ComponentType.MAMBA), "states", None) is None or self._partitioned():
             return freed, params
         if params.mamba_num > 0:
-            freed.mamba_num_evicted += self._free_states(ComponentType.MAMBA, params.mamba_num, "state")
-            params = dataclasses.replace(params, mamba_num=self._left)
+            count, left = self._free_states(ComponentType.MAMBA, params.mamba_num, "state")
+            freed.mamba_num_evicted += count
+            params = dataclasses.replace(params, mamba_num=left)
         if params.num_tokens > 0 and not self._moves_blocked(cache.token_to_kv_pool_allocator):
-            freed.mamba_num_evicted += self._free_states(ComponentType.FULL, params.num_tokens, "kv")
-            params = dataclasses.replace(params, num_tokens=self._left)
+            count, left = self._free_states(ComponentType.FULL, params.num_tokens, "kv")
+            freed.mamba_num_evicted += count
+            params = dataclasses.replace(params, num_tokens=left)
         self.states_freed += freed.mamba_num_evicted
         return freed, params
 
-    def _free_states(self, kind: Any, wanted: int, shortfall: str) -> int:
-        """Free states worth less than KV until `kind`'s capacity grows by `wanted`; sets `_left`
-        (what is still short). Returns the number freed. May mutate: the tree's states."""
+    def _free_states(self, kind: Any, wanted: int, shortfall: str) -> tuple[int, int]:
+        """Free states worth less than KV until `kind`'s capacity grows by `wanted`. Returns (the
+        number freed, what is still short). May mutate: the tree's states."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
@@ -129,22 +130,22 @@ class ByteBudget:
         target = cache._component_available_size(kind) + wanted
         evictable = cache.mamba_evictable_size()
         if evictable <= 0:
-            self._left = wanted
-            return 0
+            return 0, wanted
         token_cost = max(1, int(cache.token_to_kv_pool_allocator.mamba_slot_full_token_cost()))
         config = cache.tail_replay_config
         exact_mode = config.knobs.exactness != "approximate"
         threshold = config.threshold
 
         def worth_freeing(node: Any) -> bool:
-            return goes_before_kv(_depth(node), exact_state_above(node, mamba, threshold), token_cost,
+            depth = _depth(node)
+            return goes_before_kv(depth, exact_state_above(node, mamba, threshold, depth), token_cost,
                                   exact_mode=exact_mode, moved_past=continues_to_a_state(node, mamba))
 
         with cache.components[mamba].states.gated(worth_freeing):
             result = cache._evict(EvictParams(mamba_num=evictable), {mamba: (kind, target)})
-        self._left = max(0, target - cache._component_available_size(kind))
-        self.record(shortfall, int(result.mamba_num_evicted))
-        return int(result.mamba_num_evicted)
+        count = int(result.mamba_num_evicted)
+        self.record(shortfall, count)
+        return count, max(0, target - cache._component_available_size(kind))
 
     def _partitioned(self) -> bool:
         """SGLang's session radix cache partitions the state LRU: the gated walk does not run there."""

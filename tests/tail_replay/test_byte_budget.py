@@ -207,3 +207,15 @@ def test_a_gated_walk_starts_no_order_so_the_stock_shadow_sees_no_walk():
     assert calls == [] and walk.walk_order is None
     _evict(walk, 1)
     assert calls == [("start", 1), "end"]
+
+
+def test_byte_budget_is_a_server_setting_checked_by_type_and_refused_from_a_request():
+    from sglang_ext.tail_replay.config import TailReplayConfigError, config_from_dict
+    from sglang_ext.tail_replay.request_fields import check_request
+
+    assert config_from_dict({}).server.byte_budget is True
+    assert config_from_dict({"byte_budget": False}).server.byte_budget is False
+    with pytest.raises(TailReplayConfigError, match="'byte_budget'.*wrong type"):
+        config_from_dict({"byte_budget": 1})
+    with pytest.raises(TailReplayConfigError, match="'byte_budget'"):
+        check_request(config_from_dict({}), {"tail_replay": {"byte_budget": False}})
