@@ -103,6 +103,8 @@ def _bound_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens
         plan = None if record is None else record.plan
         approximate = record is not None and plan is not None and plan.kind is HitKind.APPROXIMATE
         tails.append((record.tail_decay, plan.replay_start, plan.matched_tokens) if approximate else decay_capture(req))
+    if not any(tail is not None for tail in tails):
+        return None   # the common batch: no replayed tail, no capture
     return bound_segments(tails, prefix_lens, extend_lens)
 
 

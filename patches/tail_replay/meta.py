@@ -89,7 +89,8 @@ def _wrap_cached_tokens_details(original: Callable) -> Callable:
         if summary is not None:
             details = {**(details or {"device": req.cached_tokens, "host": 0}), META_KEY: encode(summary)}
         if planned:
-            if repair_due(record.config, exact=summary.get("exact", True), finished=req.finished()):
+            exact = summary.get("exact", True)
+            if not exact and repair_due(record.config, exact=exact, finished=req.finished()):
                 details[REPAIR_KEY] = encode(repair_sequence(req.origin_input_ids, req.output_ids))
             if record.shared_repair is not None:   # with the first output: the repair runs while it decodes
                 details[SHARED_REPAIR_KEY] = encode(list(req.origin_input_ids[:record.shared_repair]))

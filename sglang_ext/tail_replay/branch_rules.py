@@ -13,7 +13,7 @@ from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-from sglang_ext.tail_replay.provenance import PathProvenance
+from sglang_ext.tail_replay.provenance import PathProvenance, counts_exact
 from sglang_ext.tail_replay.repair import SHARED_REPAIR_RESEND_S, branch_repair_due, shared_repair_due
 from sglang_ext.tail_replay.request import TailReplayRequest
 from sglang_ext.tail_replay.tree_provenance import SHARED_REPAIR_ATTR, MatchedPath, Planned, answer_from
@@ -168,6 +168,8 @@ class SharedRepairRules:
             if not prov.states:
                 return
             deepest = prov.states[0]
+            if counts_exact(deepest.bound, record.config.server.exact_threshold):
+                return   # an exact state is never repaired (most hits end here: no tree walk)
             node = core.node_by_id(deepest.node_id)
             if not shared_repair_due(record.config, bound=deepest.bound,
                                      branches=branches_below(node, ComponentType.MAMBA)):
