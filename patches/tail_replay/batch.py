@@ -82,7 +82,7 @@ def head_shards() -> HeadShards | None:
     """The attention-TP group whose ranks each hold a shard of the linear layers' heads (GDN and,
     under DP attention, Mamba-2 shard over it; without DP attention it is the TP group, which
     Mamba-2 shards over), or None on a single rank. Every rank of it runs the same batch, so the
-    gate hooks gather there (`state_bound.HeadShards`)."""
+    gate hooks gather there (`provenance.forward.HeadShards`)."""
     from sglang.srt.runtime_context import get_parallel
 
     size = get_parallel().attn_tp_size
@@ -111,7 +111,7 @@ def _bound_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens
 def _carry_segments(reqs: Sequence[Any], prefix_lens: Sequence[int], extend_lens: Sequence[int]
                     ) -> CarrySegments | None:
     """Rows of the packed extend batch that requests compute after an approximate start (their
-    provenance bound per position, `sglang_ext.tail_replay.provenance`)."""
+    provenance bound per position, `sglang_ext.tail_replay.provenance.bounds`)."""
     records = [record_of(req) for req in reqs]
     return carry_segments([None if r is None else r.carry for r in records], prefix_lens, extend_lens)
 

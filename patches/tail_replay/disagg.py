@@ -29,7 +29,7 @@ engines stop at the shorter list; SGLang logs the count mismatch once per regist
   "transferred_unlabelled"; a request that also reused the decode server's own tree KV
   (`--disaggregation-decode-enable-radix-cache`, a decode-side plan with a prefix): "untracked".
   `clear_slot` zeroes the row with SGLang's fields.
-- the decode side's tree inserts stay fail closed (`insert_provenance`: transferred KV is
+- the decode side's tree inserts stay fail closed (`provenance.writes`: transferred KV is
   UNTRACKED): the carried label labels the answer, not the tree.
 
 Never run end to end here (no RDMA, no PD pair): checked on CPU with real `MetadataBuffers` and a

@@ -16,7 +16,7 @@ carried rows' provenance bounds (`CarrySegments.accumulate`: one gather, one cum
 Not covered: extends inside a prefill CUDA graph where a seam says `outside_prefill_graph` (GDN:
 the forward is only captured there); layers a kind's `gates` does not recognise (KDA through
 GDN's class). Such a request's bound is reported as None, since its sums then miss tokens
-(`state_bound.summarize`). Where the running forward's batch has no row to bound
+(`provenance.forward.summarize`). Where the running forward's batch has no row to bound
 (`patches/tail_replay/forward_scope.py`, set per `ModelRunner.forward`) a wrapper calls straight
 through, before any kind parses its call; outside a `ModelRunner.forward` it does so while no
 remembered batch has one (`batch.any_bound_rows`). The wrappers read the registry on every call: a kind registered later

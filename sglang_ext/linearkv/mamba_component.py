@@ -13,7 +13,7 @@ registration's match) read it in one place (`rule_of`) and do nothing else by ki
 | register_hit     | every token  | cleared (a throw-away prefill)| withheld                           | unknown        |
 | assembled        | up to c_1    | Tail-Replay (its plan over P) | withheld (approximate past c_1)    | unknown        |
 
-Provenance is decided in one place, Tail-Replay's (`insert_provenance`, from the request's
+Provenance is decided in one place, Tail-Replay's (`provenance.writes`, from the request's
 Tail-Replay record); this column says what that record holds. "its plan": Tail-Replay's planner
 set it at the match. "from scratch": a registration prefilled in full from the zero state, at
 position 0 of its namespace, computes its KV and end state exactly: its record gets an exact

@@ -6,22 +6,21 @@ is loaded on first use of the names that need it).
 
 Modules: `config` (every user-facing knob, the server's config read once), `planner` (pure: how a
 hit of L tokens is reused), `request` (the typed per-request record on SGLang's `Req`), `startup`
-(config against server flags), `metrics` (Prometheus counters, meta_info summary), `state_bound`
-(pure: each approximate replay's error bound from its tail's gates), `provenance` (pure: the bound
-every cached token and state carries, and how a request carries its own forward), `audit` (pure:
+(config against server flags), `metrics` (Prometheus counters, meta_info summary), `provenance` (a
+package: the bound every cached token and state carries, `provenance.bounds`; each approximate
+replay's error bound from its tail's gates, `provenance.forward`; the one write path,
+`provenance.writes`; the tree hooks, `provenance.tree`), `audit` (pure:
 the live quality audit's sampling decision, divergence and store of served distributions),
 `linear_kinds` (pure: the registry of linear-layer kinds, GDN and Mamba-2, each with its SGLang
 layer classes, replay path, bound hook, state layout and naive twin),
-`insert_provenance` (pure: the one place that decides the bounds of what enters the tree; fail
-closed), `own_tail` (kv_mode "recompute"), `pressure` (pure: `exactness: "exact_unless_pressed"`'s
+`own_tail` (kv_mode "recompute"), `pressure` (pure: `exactness: "exact_unless_pressed"`'s
 thresholds and the arrival stamp, written on the replica's first rank by
 `patches/tail_replay/pressure.py` before SGLang broadcasts the request to the other ranks),
 `label_transfer` (pure: PD disaggregation, the prefill server's answer label in a row of the
 transferred metadata, read back by the decode server; `patches/tail_replay/disagg.py`).
 The SGLang adapter (`--radix-cache-backend
 tail_replay`), one concern per module: `cache` (the match and its plan, the factory), `component`
-(the Mamba component), `tree_provenance` (a node's provenance on insert / split / overlap, the
-matched path walked once per match), `tiers` (host and storage tiers), `state_order` (the state-only
+(the Mamba component), `tiers` (host and storage tiers), `state_order` (the state-only
 eviction walk, and with `stock_last` which state goes first under state pressure: the
 orders Tail-Replay registers in `sglang_ext.hooks`, where a policy registers its own), `branch_rules` (branch-point track, shared-state repair asks),
 `kv_past_state` (KV past a finished request's last state under the extra buffer), `sessions`
@@ -53,7 +52,7 @@ A request's route (SGLang 0.5.23), seam by seam:
    around a "full" prefill CUDA graph. The rows of approximate replays' tails are registered too:
    `patches/tail_replay/linear_bound.py`, at each registered linear kind's replay path
    (`linear_kinds`: GDN's `RadixLinearAttention.forward`, the Mamba-2 mixer's SSD scan call), adds
-   each request's per-layer tail log-decay into its record (`state_bound`, record `tail_decay`).
+   each request's per-layer tail log-decay into its record (`provenance.forward`, record `tail_decay`).
 4. output / metrics. `patches/tail_replay/meta.py` (`get_cached_tokens_details`) puts
    `replay_summary(record)` (the plan; for approximate hits the state bound, which also goes into
    its histogram once) into `meta_info.cached_tokens_details.tail_replay`; `/metrics` serves the
@@ -61,7 +60,7 @@ A request's route (SGLang 0.5.23), seam by seam:
 5. cache. `TailReplayMambaComponent.prepare_for_caching_req` / `cleanup_after_caching_req` keep
    every state out of the tree with `keep_checkpoints: false` (record `state_withheld`);
    `commit_insert_component_data` gives new nodes and stored states the bounds
-   `insert_provenance` decides (the request's own while its record holds its plan; UNTRACKED,
+   `provenance.writes` decides (the request's own while its record holds its plan; UNTRACKED,
    never exact, without one: no record, a dropped plan, transferred KV),
    `redistribute_on_node_split` splits them, `update_component_on_insert_overlap` lets fresher KV
    of a smaller bound replace an approximate node's; with `kv_mode` "recompute" `own_tail` keeps the
@@ -168,7 +167,16 @@ from sglang_ext.tail_replay.metrics import (
 )
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay, replay_window
 from sglang_ext.tail_replay.pressure import PRESSURE_PARAM_KEY, LoadSample, PressurePolicy, pressed_by, stamp
-from sglang_ext.tail_replay.provenance import CarrySegments, carry_segments
+from sglang_ext.tail_replay.provenance.bounds import CarrySegments, carry_segments
+from sglang_ext.tail_replay.provenance.forward import (
+    BoundSegments,
+    DistributedHeadShards,
+    HeadShards,
+    StateBound,
+    TailDecay,
+    bound_segments,
+    summarize,
+)
 from sglang_ext.tail_replay.repair import (
     MAX_REPAIRS_IN_FLIGHT,
     REPAIR_KEY,
@@ -204,15 +212,6 @@ from sglang_ext.tail_replay.startup import (
     check_start,
     facts_from_server_args,
     request_limits,
-)
-from sglang_ext.tail_replay.state_bound import (
-    BoundSegments,
-    DistributedHeadShards,
-    HeadShards,
-    StateBound,
-    TailDecay,
-    bound_segments,
-    summarize,
 )
 
 #: names served from `cache` (it imports SGLang's unified radix cache), loaded on first use

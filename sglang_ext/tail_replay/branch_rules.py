@@ -13,10 +13,10 @@ from typing import Any
 
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-from sglang_ext.tail_replay.provenance import PathProvenance, counts_exact
+from sglang_ext.tail_replay.provenance.bounds import PathProvenance, counts_exact
+from sglang_ext.tail_replay.provenance.tree import SHARED_REPAIR_ATTR, MatchedPath, Planned, answer_from
 from sglang_ext.tail_replay.repair import SHARED_REPAIR_RESEND_S, branch_repair_due, shared_repair_due
 from sglang_ext.tail_replay.request import TailReplayRequest
-from sglang_ext.tail_replay.tree_provenance import SHARED_REPAIR_ATTR, MatchedPath, Planned, answer_from
 
 
 def continues_a_prompt(node: Any) -> bool:

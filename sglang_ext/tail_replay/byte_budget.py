@@ -35,9 +35,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sglang_ext.tail_replay.metrics import record_states_freed_first
-from sglang_ext.tail_replay.provenance import counts_exact
+from sglang_ext.tail_replay.provenance.bounds import counts_exact
+from sglang_ext.tail_replay.provenance.tree import provenance_of
 from sglang_ext.tail_replay.state_order import continues_to_a_state
-from sglang_ext.tail_replay.tree_provenance import provenance_of
 
 
 def goes_before_kv(depth: int, exact_above: int | None, token_cost: int, *, exact_mode: bool,

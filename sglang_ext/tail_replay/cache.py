@@ -14,7 +14,7 @@ composition and built once the cache is (`build_parts`):
 | `kv_past_state` (`KvPastTheState`) | `kv_past_state` | the KV past a finished request's last state (extra buffer) |
 | `byte_budget` (`ByteBudget`, asked only with `--enable-unified-memory`) | `byte_budget` | under one byte budget, which states go before KV |
 
-Insert-time state is one object, `inserting` (`insert_provenance.InsertContext`: the inserting
+Insert-time state is one object, `inserting` (`provenance.writes.InsertContext`: the inserting
 request's record, prompt length, session history), set for the time a request's
 `checkpoint_into_tree` runs; every bound an insert stores is asked of it (the Mamba component's
 provenance writer and host-tier rules ask it through `inserting_context()`). The Mamba component is
@@ -37,15 +37,15 @@ from sglang_ext.tail_replay.branch_rules import SharedRepairRules
 from sglang_ext.tail_replay.byte_budget import ByteBudget
 from sglang_ext.tail_replay.component import TailReplayMambaComponent
 from sglang_ext.tail_replay.config import BACKEND_NAME, TailReplayConfig, server_config
-from sglang_ext.tail_replay.insert_provenance import NO_REQUEST, InsertContext
 from sglang_ext.tail_replay.kv_past_state import KvPastTheState
 from sglang_ext.tail_replay.matching import MatchPlanner, record_for, request_config
 from sglang_ext.tail_replay.own_tail import OwnTailClaims
-from sglang_ext.tail_replay.provenance import PathProvenance
+from sglang_ext.tail_replay.provenance.bounds import PathProvenance
+from sglang_ext.tail_replay.provenance.tree import MatchedPath, answer_from, provenance_of
+from sglang_ext.tail_replay.provenance.writes import NO_REQUEST, InsertContext
 from sglang_ext.tail_replay.request import TailReplayRequest, owns_tail, record_of
 from sglang_ext.tail_replay.sessions import SessionProvenance, StreamingTurns
 from sglang_ext.tail_replay.tiers import HostTierCache
-from sglang_ext.tail_replay.tree_provenance import MatchedPath, answer_from, provenance_of
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult

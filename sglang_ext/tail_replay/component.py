@@ -5,7 +5,7 @@ SGLang's hook overrides; each delegates to a named part, held by composition and
 
 | part | class (module) | what it decides |
 |---|---|---|
-| `provenance` | `ProvenanceWriter` (`tree_provenance`) | a node's provenance on insert / split / overlap |
+| `provenance` | `ProvenanceWriter` (`provenance.tree`) | a node's provenance on insert / split / overlap |
 | `host_tier` | `HostTierRules` (`tiers`) | which host-tier steps run for states |
 | `branch_track` | `BranchPointTrack` (`branch_rules`) | the branch-point track at a match |
 | `states` | `StateEvictionWalk` (`state_order`) | the state-only eviction walk and its registered order |
@@ -25,10 +25,10 @@ from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
 
 from sglang_ext.tail_replay.branch_rules import BranchPointTrack
 from sglang_ext.tail_replay.config import TailReplayConfig
+from sglang_ext.tail_replay.provenance.tree import ProvenanceWriter
 from sglang_ext.tail_replay.request import plan_of, record_of
 from sglang_ext.tail_replay.state_order import StateEvictionWalk
 from sglang_ext.tail_replay.tiers import HostTierRules
-from sglang_ext.tail_replay.tree_provenance import ProvenanceWriter
 
 
 class TailReplayMambaComponent(MambaComponent):

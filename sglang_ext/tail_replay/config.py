@@ -151,7 +151,7 @@ class ServerConfig:
     knobs: Knobs = field(default_factory=Knobs)
     #: the decay profile file (default: decay.json in the model folder, found at start-up)
     decay_profile: str | None = None
-    #: a node or state whose bound (tail_replay/provenance.py) is at most this counts as exact
+    #: a node or state whose bound (tail_replay/provenance/bounds.py) is at most this counts as exact
     #: in the "approximate" mode (float noise of the linear state, relative); 0: only bound 0
     exact_threshold: float = 1e-5
     #: live quality audit (tail_replay/audit.py): the share of approximate answers (provenance not

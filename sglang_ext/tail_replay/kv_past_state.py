@@ -6,7 +6,7 @@ chunk boundary of its prefill, or of its decode's track interval) and frees the 
 stock SGLang that KV cannot be reused without a state at its end. Here it can (a plan resumes from
 the state and recomputes, or replays), and without the extra buffer the tree gets a request's
 whole KV anyway; so the rest is inserted as KV alone, with the provenance the cache decides for
-every insert (`insert_provenance.InsertContext`), for requests whose provenance is tracked.
+every insert (`provenance.writes.InsertContext`), for requests whose provenance is tracked.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-from sglang_ext.tail_replay.insert_provenance import tracks
 from sglang_ext.tail_replay.own_tail import OwnTailClaims
+from sglang_ext.tail_replay.provenance.writes import tracks
 from sglang_ext.tail_replay.request import owns_tail, record_of
 
 
@@ -37,7 +37,7 @@ class KvPastTheState:
         """Whether a finished request's KV past its tree state still waits to be inserted: only
         for the Full + Mamba components (no SWA window to keep), and not with the session radix
         cache (it registers the first insert's end as the session's leaf), and only for a request
-        whose record tracks what it computed (`insert_provenance.tracks`): SGLang's insert stopped
+        whose record tracks what it computed (`provenance.writes.tracks`): SGLang's insert stopped
         where the request's components capped it (another wing's request, e.g. position-independent
         assembled chunks, publishes nothing past its exact prefix), and KV of unknown provenance
         is not worth keeping. Reads only."""

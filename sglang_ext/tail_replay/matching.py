@@ -21,10 +21,10 @@ from sglang.srt.mem_cache.unified_cache.components.base import LRURefreshPhase
 
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, exact_fallback, plan_replay, pressure_config, refused
-from sglang_ext.tail_replay.provenance import PathProvenance
+from sglang_ext.tail_replay.provenance.bounds import PathProvenance
+from sglang_ext.tail_replay.provenance.tree import MatchedPath, Planned, plan_carry
 from sglang_ext.tail_replay.request import TailReplayRequest, attach, record_of
 from sglang_ext.tail_replay.request_fields import request_overrides
-from sglang_ext.tail_replay.tree_provenance import MatchedPath, Planned, plan_carry
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchResult

@@ -19,9 +19,9 @@ import functools
 
 from sglang_ext.tail_replay.audit import Divergence
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
-from sglang_ext.tail_replay.provenance import counts_exact
+from sglang_ext.tail_replay.provenance.bounds import counts_exact
+from sglang_ext.tail_replay.provenance.forward import summarize
 from sglang_ext.tail_replay.request import KIND_UNTRACKED, TailReplayRequest, answer_bound
-from sglang_ext.tail_replay.state_bound import summarize
 
 #: key of the per-request summary in `meta_info["cached_tokens_details"]`
 META_KEY = "tail_replay"
@@ -194,7 +194,7 @@ def replay_summary(record: TailReplayRequest, prompt_len: int | None = None, log
     `exact`, `kv_exact` and `bound` (provenance of its output, given `prompt_len`: the last prompt
     position's bound; whether the state it was computed from counts as exact under the request's
     exactness; whether everything it read was exact, `kv_exact`), and for an approximate hit
-    `state_bound` / `state_bound_per_layer` (`state_bound.StateBound`; None where the forward did
+    `state_bound` / `state_bound_per_layer` (`provenance.forward.StateBound`; None where the forward did
     not see the whole tail's gates), and for an audited request `audit` (why: "forced" or
     "sampled"; the tokenizer process then sends its reference run). Call once its tail is replayed
     (at an output): the bounds are computed at the first call (host syncs), kept in the record, and

@@ -63,7 +63,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sglang_ext.tail_replay.config import TailReplayConfig
-from sglang_ext.tail_replay.provenance import counts_exact
+from sglang_ext.tail_replay.provenance.bounds import counts_exact
 
 #: the `cached_tokens_details` key that carries a finished request's sequence to the tokenizer
 #: process (removed there; never in a response)

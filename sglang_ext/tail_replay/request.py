@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.planner import ReplayPlan
-from sglang_ext.tail_replay.provenance import CarryBound, carried_bounds
-from sglang_ext.tail_replay.state_bound import StateBound, TailDecay
+from sglang_ext.tail_replay.provenance.bounds import CarryBound, carried_bounds
+from sglang_ext.tail_replay.provenance.forward import StateBound, TailDecay
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +88,7 @@ class BoundAccumulator:
     #: approximate plans: the replayed tail's summed log-decay per linear layer, added by the
     #: forward (`patches/tail_replay/linear_bound.py`, every linear kind's gates) chunk by chunk
     tail_decay: TailDecay = field(default_factory=TailDecay)
-    #: provenance (tail_replay/provenance.py): the per-position bound of what the request computes
+    #: provenance (tail_replay/provenance/bounds.py): the per-position bound of what the request computes
     #: after an approximate start (a replay, or a checkpoint of bound > 0); None: its state is
     #: strictly exact. Set at match, filled by the forward's gate hooks.
     carry: CarryBound | None = None

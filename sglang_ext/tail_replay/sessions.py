@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from sglang.srt.session.streaming_session import is_virtual_node
 
-from sglang_ext.tail_replay import provenance
 from sglang_ext.tail_replay.config import REQUEST_PARAM_KEY, TailReplayConfig
-from sglang_ext.tail_replay.insert_provenance import InsertContext
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
-from sglang_ext.tail_replay.provenance import CarryBound
+from sglang_ext.tail_replay.provenance import bounds as provenance
+from sglang_ext.tail_replay.provenance.bounds import CarryBound
+from sglang_ext.tail_replay.provenance.writes import InsertContext
 from sglang_ext.tail_replay.request import record_of
 
 

@@ -44,8 +44,8 @@ from typing import Any
 from sglang.srt.mem_cache.unified_cache.components.base import EvictLayer
 
 from sglang_ext.hooks import StateOrder, StateOrderSite, add_state_order, chosen_state_order, state_order_factory
-from sglang_ext.tail_replay import provenance
-from sglang_ext.tail_replay.tree_provenance import provenance_of
+from sglang_ext.tail_replay.provenance import bounds as provenance
+from sglang_ext.tail_replay.provenance.tree import provenance_of
 
 
 def continues_to_a_state(node: Any, component_type: Any) -> bool:

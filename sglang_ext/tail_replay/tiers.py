@@ -23,12 +23,12 @@ from sglang.srt.mem_cache.unified_cache.components.base import (
     PreparePrefetchResult,
 )
 
-from sglang_ext.tail_replay.insert_provenance import InsertContext
 from sglang_ext.tail_replay.matching import MatchPlanner, tail_kv_slots
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
-from sglang_ext.tail_replay.provenance import NodeProvenance
+from sglang_ext.tail_replay.provenance.bounds import NodeProvenance
+from sglang_ext.tail_replay.provenance.tree import MatchedPath, Planned, plan_carry, provenance_of, set_provenance
+from sglang_ext.tail_replay.provenance.writes import InsertContext
 from sglang_ext.tail_replay.request import HostLoad, TailReplayRequest, record_of
-from sglang_ext.tail_replay.tree_provenance import MatchedPath, Planned, plan_carry, provenance_of, set_provenance
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult

@@ -1,5 +1,5 @@
 """The provenance of what LinearKV's requests insert, as Tail-Replay's one decision
-(`tail_replay.insert_provenance`) reads it from their Tail-Replay records: a chunk registration
+(`tail_replay.provenance.writes`) reads it from their Tail-Replay records: a chunk registration
 prefilled from scratch is exact (it was UNTRACKED, an infinite bound, once inserts failed closed:
 +Inf stored bounds, its chunk states evicted first under `approximate_first`); a registration hit
 and an assembled request stay unknown (never exact)."""
@@ -21,9 +21,9 @@ from sglang_ext.linearkv.mamba_component import (
 )
 from sglang_ext.linearkv.serving import RECORD_ATTR, ChunkPlan, LinearKVRequest
 from sglang_ext.tail_replay import DEFAULTS, HitKind, ReplayPlan, TailReplayRadixCache, record_of
-from sglang_ext.tail_replay.insert_provenance import insert_bounds, state_bound
 from sglang_ext.tail_replay.metrics import record_first_forward
-from sglang_ext.tail_replay.provenance import UNTRACKED
+from sglang_ext.tail_replay.provenance.bounds import UNTRACKED
+from sglang_ext.tail_replay.provenance.writes import insert_bounds, state_bound
 
 N = 24   # a registration's tokens
 

@@ -17,8 +17,8 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 
 from sglang_ext.tail_replay.byte_budget import exact_state_above, goes_before_kv  # noqa: E402
-from sglang_ext.tail_replay.provenance import NodeProvenance  # noqa: E402
-from sglang_ext.tail_replay.tree_provenance import set_provenance  # noqa: E402
+from sglang_ext.tail_replay.provenance.bounds import NodeProvenance  # noqa: E402
+from sglang_ext.tail_replay.provenance.tree import set_provenance  # noqa: E402
 from tests.tail_replay.fake_tree import MAMBA, FakeCore  # noqa: E402
 from tests.tail_replay.test_component_parts import CONFIG, _chain, _evict, _walk  # noqa: E402
 

@@ -41,7 +41,7 @@ from sglang_ext.tail_replay.cache import (  # noqa: E402
 )
 from sglang_ext.tail_replay.config import BACKGROUND_PARAM_KEY, REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
-from sglang_ext.tail_replay.provenance import UNKNOWN  # noqa: E402
+from sglang_ext.tail_replay.provenance.bounds import UNKNOWN  # noqa: E402
 from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
 from sglang_ext.tail_replay.request_fields import background_mark  # noqa: E402
 from tests.tail_replay.tree_walk import assert_slots_accounted, tree_nodes  # noqa: E402
@@ -717,7 +717,7 @@ def test_one_record_per_request_with_its_config_resolved_once():
 def test_a_match_walks_its_path_once(page):
     """The matched path is walked once per match (the branch-point track's finalizer in the tree
     core) and handed on: the planner, the tail's KV slots and the repair rules read that walk."""
-    from sglang_ext.tail_replay.tree_provenance import MatchedPath
+    from sglang_ext.tail_replay.provenance.tree import MatchedPath
 
     h = Harness(page)
     h.run(A)
@@ -747,7 +747,7 @@ def test_a_request_served_past_its_plan_inserts_untracked_kv_never_exact(page):
     """A request another wing serves after its match (LinearKV's assembly drops the Tail-Replay
     plan) computed what it inserts in a way no record tracks: its new KV and state enter the tree
     as UNTRACKED, and an exact request later reads none of it."""
-    from sglang_ext.tail_replay.provenance import UNTRACKED
+    from sglang_ext.tail_replay.provenance.bounds import UNTRACKED
 
     h = Harness(page)
     h.run(A)

@@ -22,18 +22,18 @@ from sglang.srt.mem_cache.unified_cache.components.base import CacheTransferPhas
 
 from sglang_ext.tail_replay.branch_rules import BranchPointTrack  # noqa: E402
 from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
-from sglang_ext.tail_replay.provenance import TAINT, NodeProvenance  # noqa: E402
-from sglang_ext.tail_replay.request import TailReplayRequest  # noqa: E402
-from sglang_ext.tail_replay.state_order import StateEvictionWalk  # noqa: E402
-from sglang_ext.tail_replay.stock_last import StockLastOrder  # noqa: E402
-from sglang_ext.tail_replay.tiers import HostTierRules  # noqa: E402
-from sglang_ext.tail_replay.tree_provenance import (  # noqa: E402
+from sglang_ext.tail_replay.provenance.bounds import TAINT, NodeProvenance  # noqa: E402
+from sglang_ext.tail_replay.provenance.tree import (  # noqa: E402
     ANSWER_FROM_ATTR,
     ProvenanceWriter,
     answer_from,
     provenance_of,
     set_provenance,
 )
+from sglang_ext.tail_replay.request import TailReplayRequest  # noqa: E402
+from sglang_ext.tail_replay.state_order import StateEvictionWalk  # noqa: E402
+from sglang_ext.tail_replay.stock_last import StockLastOrder  # noqa: E402
+from sglang_ext.tail_replay.tiers import HostTierRules  # noqa: E402
 from tests.tail_replay.fake_tree import FULL, MAMBA, FakeCore  # noqa: E402
 
 CONFIG = TailReplayConfig()

@@ -28,9 +28,9 @@ from sglang_ext.tail_replay import label_transfer as lt  # noqa: E402
 from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.metrics import answer_label  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
-from sglang_ext.tail_replay.provenance import TAINT, CarryBound  # noqa: E402
+from sglang_ext.tail_replay.provenance.bounds import TAINT, CarryBound  # noqa: E402
+from sglang_ext.tail_replay.provenance.forward import StateBound  # noqa: E402
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest, record_of  # noqa: E402
-from sglang_ext.tail_replay.state_bound import StateBound  # noqa: E402
 
 PROMPT = 101
 ROOM = 0x5EADBEEF12345678   # SGLang's bootstrap rooms are random 63-bit values

@@ -10,7 +10,7 @@ import torch
 
 from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError, config_from_dict
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan, plan_replay
-from sglang_ext.tail_replay.provenance import (
+from sglang_ext.tail_replay.provenance.bounds import (
     TAINT,
     UNKNOWN,
     CarryBound,
@@ -174,7 +174,7 @@ def _planned(carry=None, floor=0.0):
 
 
 def test_an_insert_by_a_planned_request_carries_its_bounds():
-    from sglang_ext.tail_replay.insert_provenance import insert_bounds, state_bound
+    from sglang_ext.tail_replay.provenance.writes import insert_bounds, state_bound
 
     record = _planned(CarryBound(start=30), floor=TAINT)
     bounds = insert_bounds(record, 28, 34, caching=True)
@@ -184,8 +184,8 @@ def test_an_insert_by_a_planned_request_carries_its_bounds():
 
 
 def test_an_insert_of_unknown_provenance_is_untracked_never_exact():
-    from sglang_ext.tail_replay.insert_provenance import insert_bounds, state_bound, tracks
-    from sglang_ext.tail_replay.provenance import UNTRACKED
+    from sglang_ext.tail_replay.provenance.bounds import UNTRACKED
+    from sglang_ext.tail_replay.provenance.writes import insert_bounds, state_bound, tracks
     from sglang_ext.tail_replay.request import TailReplayRequest
 
     dropped = _planned()
@@ -207,7 +207,7 @@ def test_an_insert_of_unknown_provenance_is_untracked_never_exact():
 
 
 def test_untracked_kv_cuts_the_exact_mode_and_is_never_an_approximate_checkpoint():
-    from sglang_ext.tail_replay.provenance import UNTRACKED
+    from sglang_ext.tail_replay.provenance.bounds import UNTRACKED
 
     prov = path_provenance([(16, None, False, 1), (24, NodeProvenance(torch.full((24,), UNTRACKED), UNTRACKED), True, 2)])
     assert prov.first_inexact == 16
@@ -260,7 +260,7 @@ def test_exactness_exact_is_refused_by_a_session_that_cannot_honour_it():
 
 
 def test_an_aborted_session_turn_inserts_its_sessions_bounds_below_its_own():
-    from sglang_ext.tail_replay.insert_provenance import insert_bounds
+    from sglang_ext.tail_replay.provenance.writes import insert_bounds
     from sglang_ext.tail_replay.request import TailReplayRequest
 
     record = TailReplayRequest(CFG)                   # turn 2: continues at 4 from a slot of bound 0.5

@@ -24,7 +24,7 @@ from sglang_ext.patches.tail_replay import request as tail_replay_request  # noq
 from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.metrics import answer_label, is_recording_rank, record_plan, replay_summary  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
-from sglang_ext.tail_replay.provenance import TAINT, CarryBound  # noqa: E402
+from sglang_ext.tail_replay.provenance.bounds import TAINT, CarryBound  # noqa: E402
 from sglang_ext.tail_replay.request import TailReplayRequest  # noqa: E402
 
 PLAN = ReplayPlan(HitKind.APPROXIMATE, matched_tokens=100, prefix_len=90, replay_start=90)

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from sglang_ext.tail_replay.config import TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan  # noqa: E402
-from sglang_ext.tail_replay.provenance import TAINT, UNTRACKED, CarryBound  # noqa: E402
+from sglang_ext.tail_replay.provenance.bounds import TAINT, UNTRACKED, CarryBound  # noqa: E402
 from sglang_ext.tail_replay.request import RECORD_ATTR, TailReplayRequest  # noqa: E402
 from sglang_ext.tail_replay.sessions import StreamingTurns  # noqa: E402
 

@@ -43,10 +43,10 @@ from sglang.test.kits.unified_radix_cache import fixtures as kit  # noqa: E402
 from sglang.test.kits.unified_radix_cache.config import CacheConfig  # noqa: E402
 
 from sglang_ext.hooks import add_state_order  # noqa: E402
-from sglang_ext.tail_replay import provenance  # noqa: E402
 from sglang_ext.tail_replay.cache import TailReplayMambaComponent, TailReplayRadixCache, provenance_of  # noqa: E402
 from sglang_ext.tail_replay.config import BACKGROUND_PARAM_KEY, REQUEST_PARAM_KEY, TailReplayConfig  # noqa: E402
 from sglang_ext.tail_replay.planner import HitKind  # noqa: E402
+from sglang_ext.tail_replay.provenance import bounds as provenance  # noqa: E402
 from sglang_ext.tail_replay.repair import repair_overrides  # noqa: E402
 from sglang_ext.tail_replay.request import plan_of, record_of  # noqa: E402
 from sglang_ext.tail_replay.request_fields import background_mark  # noqa: E402

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from sglang_ext.cluster import free_port
 from sglang_ext.tail_replay.config import TailReplayConfig
 from sglang_ext.tail_replay.planner import plan_replay
-from sglang_ext.tail_replay.provenance import CarryBound, carried_bounds, carry_segments, counts_exact
-from sglang_ext.tail_replay.state_bound import DistributedHeadShards, TailDecay, bound_segments, summarize
+from sglang_ext.tail_replay.provenance.bounds import CarryBound, carried_bounds, carry_segments, counts_exact
+from sglang_ext.tail_replay.provenance.forward import DistributedHeadShards, TailDecay, bound_segments, summarize
 
 #: "gloo" (CPU tensors, the suite) or "nccl" (each rank's tensors on its own GPU:
 #: scripts/gpu_tp_checks.sh)

@@ -60,7 +60,7 @@ class GateSeam:
     open (`layer`: that scope's module) -> Gates (None: this call's layer is not of this kind).
     A seam gives either or both. `outside_prefill_graph`: the seam does nothing inside a prefill
     CUDA graph's scope (a capture-time row index would be stale there; such a request's bound is
-    reported as None, `state_bound.summarize`)."""
+    reported as None, `provenance.forward.summarize`)."""
 
     target: str
     scope: Callable[[tuple[Any, ...], Mapping[str, Any]], Scope | None] | None = None

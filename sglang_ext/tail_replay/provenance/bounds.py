@@ -40,14 +40,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from sglang_ext.tail_replay.state_bound import HeadShards
+    from sglang_ext.tail_replay.provenance.forward import HeadShards
 
 #: the bound of KV computed exactly from an exact state after reading KV of bound > 0
 TAINT = 1.1754943508222875e-38   # float32's smallest normal value: > 0, below any threshold
 #: the bound of a position whose gates the forward did not see (a replay from zero drops at most
 #: the whole state: relative error <= 1)
 UNKNOWN = 1.0
-#: the bound of KV or a state whose computation no record tracks (`insert_provenance`): not exact
+#: the bound of KV or a state whose computation no record tracks (`provenance.writes`): not exact
 #: under any threshold, and never resumed from
 UNTRACKED = math.inf
 
@@ -249,7 +249,7 @@ class CarrySegments:
     rows: torch.Tensor
     parts: tuple[tuple[CarryBound, int, int, int], ...]
     end: int
-    #: the tensor-parallel ranks holding the other heads (`state_bound.HeadShards`; None: this
+    #: the tensor-parallel ranks holding the other heads (`provenance.forward.HeadShards`; None: this
     #: rank holds every head)
     shards: HeadShards | None = field(default=None, compare=False)
 

@@ -20,14 +20,14 @@ import torch
 from sglang.srt.mem_cache.unified_cache.cache_action import FreeDeviceKV
 from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
-from sglang_ext.tail_replay import provenance
 from sglang_ext.tail_replay.metrics import record_stored_bound
 from sglang_ext.tail_replay.planner import HitKind, ReplayPlan
-from sglang_ext.tail_replay.provenance import CarryBound, NodeProvenance, PathProvenance
+from sglang_ext.tail_replay.provenance import bounds as provenance
+from sglang_ext.tail_replay.provenance.bounds import CarryBound, NodeProvenance, PathProvenance
 from sglang_ext.tail_replay.request import computed_from
 
 if TYPE_CHECKING:
-    from sglang_ext.tail_replay.insert_provenance import InsertContext
+    from sglang_ext.tail_replay.provenance.writes import InsertContext
 
 #: the attribute of a tree node holding its NodeProvenance (absent: strictly exact)
 PROVENANCE_ATTR = "sglang_ext_provenance"
@@ -154,7 +154,7 @@ class MatchedPath:
 class ProvenanceWriter:
     """The Mamba component's provenance rules on insert, node split and insert overlap (a part of
     `TailReplayMambaComponent`). Needs the tree core, the component type, the cache's
-    `inserting()`: what the running insert brings (an `insert_provenance.InsertContext`: every
+    `inserting()`: what the running insert brings (an `provenance.writes.InsertContext`: every
     bound written here is asked of it) and the component's `free_state(value)` (SGLang's free of a
     state slot)."""
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sglang_ext.tail_replay.provenance import UNTRACKED
+from sglang_ext.tail_replay.provenance.bounds import UNTRACKED
 from sglang_ext.tail_replay.request import TailReplayRequest, bounds_of
 
 if TYPE_CHECKING:
