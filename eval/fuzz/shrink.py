@@ -32,7 +32,7 @@ def _closure(ops_by_index: dict[int, dict], keep: set[int]) -> list[dict]:
 def _lead(op: dict) -> list[int]:
     if op["op"] == "batch":
         return op["prompts"][0]
-    if op["op"] == "session":
+    if op["op"] in ("session", "foreign_session"):
         return op["turns"][0]["ids"]
     return op["ids"]
 

@@ -191,6 +191,19 @@ def test_shrink_keeps_dependencies_and_drops_unrelated_ops():
     assert not shrink(ops, 7, lambda cand: False, budget=10)["reproduced"]
 
 
+def test_shrink_reads_the_lead_of_every_op_kind():
+    """Sessions (own and another tenant's) and batches lead with their first turn's or prompt's ids;
+    a workload that holds every kind before the violating op is shrunk without error."""
+    lead = [9] * 20
+    ops = [{"index": 0, "op": "foreign_session", "tenant": ["a", None], "turns": [{"ids": lead, "new": 1}]},
+           {"index": 1, "op": "session", "tenant": ["b", None], "turns": [{"ids": [1] * 20, "new": 1}]},
+           {"index": 2, "op": "batch", "tenant": [None, None], "prompts": [[2] * 20], "new": 1},
+           {"index": 3, "op": "abort", "tenant": [None, None], "ids": [3] * 20, "new": 30},
+           {"index": 4, "op": "generate", "tenant": [None, None], "ids": lead + [4], "new": 1}]
+    result = shrink(ops, 4, lambda cand: 0 in [op["index"] for op in cand], budget=10)
+    assert result["reproduced"] and [op["index"] for op in result["ops"]] == [0, 4]
+
+
 def test_sampled_answers_are_compared_under_their_seed():
     """The reference is asked with the answer's temperature and seed (a greedy reference would
     differ); the same tokens under another seed are not the reference's."""
