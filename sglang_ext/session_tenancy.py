@@ -54,6 +54,6 @@ def refusal(session_id: str, bound: Tenant, turn: Tenant) -> str | None:
                if getattr(bound, name) != getattr(turn, name)]
     if not differs:
         return None
-    return (f"session_params.id {session_id!r}: this turn's {' and '.join(differs)} differ from the session's "
+    return (f"session_params.id {session_id!r}: this turn's {' and '.join(differs)} {'differs' if len(differs) == 1 else 'differ'} from the session's "
             "(a session belongs to the extra_key, cache_salt and LoRA adapter of its first turn); "
             "open a new session for this namespace")
