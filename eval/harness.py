@@ -20,11 +20,12 @@ from pathlib import Path
 
 import requests
 
-from sglang_ext.cluster import free_port, port_taken
+from sglang_ext.cluster import free_port, listens_on, port_taken
 
 STARTUP_TIMEOUT_S = 600.0
 #: a server whose HTTP port was taken between `free_port()` and its bind (another server's
-#: internal port, started side by side) is relaunched on a fresh port; `port_taken` reads its log
+#: internal or HTTP port, started side by side) is relaunched on a fresh port; `port_taken` reads
+#: its log, `listens_on` tells its own answer from another server's on the same port
 #: (both shared with `sglang-ext cluster`, which does the same for its workers)
 PORT_RETRIES = 3
 #: SGLang's crash diagnostics, off for servers started here unless the caller's environment says
@@ -102,10 +103,13 @@ class ServerProcess:
             if port_taken(self.log_text()):
                 raise PortTakenError(f"port {self.port} was taken before the server could bind it; log: {self.log_path}")
             try:
-                if requests.get(f"{self.url}/health_generate", timeout=30).status_code == 200:
-                    return
+                healthy = requests.get(f"{self.url}/health_generate", timeout=30).status_code == 200
             except requests.RequestException:
-                pass
+                healthy = False
+            if healthy:
+                if not listens_on(self.proc.pid, self.port):   # another server took the port first
+                    raise PortTakenError(f"port {self.port} answers from another process's server; log: {self.log_path}")
+                return
             time.sleep(POLL_S)
         raise TimeoutError(f"server not healthy after {timeout_s:.0f}s; log: {self.log_path}")
 

@@ -7,6 +7,8 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/mypy
 # two workers (pytest-xdist), one test module per worker at a time (module-scoped servers boot once;
-# tests/conftest.py gives each worker and its servers one compute thread), and the 25 slowest
+# tests/conftest.py gives each worker and its servers one compute thread), modules handed out in
+# collection order, the longest first (tests/conftest.py: LONGEST_FIRST), and the 25 slowest
 # set-ups / calls listed at the end; a later `-n 0` runs everything in this process
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile --durations=25 tests "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+    --durations=25 tests "$@"

@@ -32,6 +32,47 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+#: the modules that take longest (set-up and calls summed, a fresh-clone run of
+#: `scripts/test.sh --durations=0` on 2026-12-07, 13 to 129 s each), longest first. The workers
+#: take modules in collection order (`--no-loadscope-reorder`), so these go first and the short
+#: ones fill the end of both workers' queues, instead of a long server module starting last
+#: while the other worker idles. The other modules follow in their collection order; a module
+#: missing here only runs later.
+LONGEST_FIRST = (
+    "tests/quality/test_quality_server.py",
+    "tests/e2e/test_exactness_fuzz.py",
+    "tests/e2e/test_request_hardening.py",
+    "tests/e2e/test_linearkv_server.py",
+    "tests/e2e/test_tail_replay_storage.py",
+    "tests/scale/test_cluster_server.py",
+    "tests/e2e/test_tail_replay_server.py",
+    "tests/trained/test_trained_models.py",
+    "tests/e2e/test_qwen3_next_server.py",
+    "tests/e2e/test_sae_server.py",
+    "tests/e2e/test_tail_replay_hicache.py",
+    "tests/e2e/test_tail_replay_extra_buffer.py",
+    "tests/e2e/test_tail_replay_load.py",
+    "tests/e2e/test_tail_replay_auto_budget.py",
+    "tests/e2e/test_nemotron_h_server.py",
+    "tests/e2e/test_default_dtype_server.py",
+    "tests/replay/test_replay_live.py",
+    "tests/e2e/test_tail_replay_pressure.py",
+    "tests/e2e/test_sae_states.py",
+    "tests/e2e/test_tail_replay_byte_budget.py",
+    "tests/training/test_train_resume.py",
+    "tests/patches/test_cpu_deterministic.py",
+    "tests/e2e/test_linearkv_rag_example.py",
+    "tests/e2e/test_proportioned_fixture_server.py",
+    "tests/e2e/test_hicache_server.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Longest modules first (`LONGEST_FIRST`); a stable sort keeps each module's own order."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """`make(arch, layout=None) -> Path`: a tiny random checkpoint, built once per session."""

@@ -201,3 +201,11 @@ def test_no_module_outside_a_wing_names_that_wings_privates():
                 if named is not None:
                     offenders.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: {wing}'s {named}")
     assert offenders == []
+
+
+def test_the_modules_scheduled_first_exist():
+    """tests/conftest.py's LONGEST_FIRST names test modules that exist (a renamed one would
+    silently lose its place)."""
+    from tests.conftest import LONGEST_FIRST
+
+    assert [path for path in LONGEST_FIRST if not (ROOT / path).is_file()] == []

@@ -84,6 +84,41 @@ def test_a_server_whose_port_was_taken_is_relaunched_on_a_fresh_port(tmp_path):
         server.stop()
 
 
+def test_a_port_another_server_answers_on_is_not_taken_for_this_one(tmp_path):
+    """Another server started beside this one can take its port and answer /health_generate there
+    before this one binds (its own log still says nothing): the harness asks which process
+    listens, and relaunches on a fresh port instead of serving the caller from the other server."""
+    import subprocess
+
+    from sglang_ext.cluster import free_port, listens_on
+
+    port = free_port()
+    other = subprocess.Popen([sys.executable, "-c", FAKE_SERVER, str(port), "ok"])
+
+    class Fake(ServerProcess):
+        launches: list[int] = []
+
+        def command(self):   # the first launch only sleeps (its bind would fail); then a server
+            self.launches.append(self.port)
+            if len(self.launches) == 1:
+                return [sys.executable, "-c", "import time; time.sleep(60)"]
+            return [sys.executable, "-c", FAKE_SERVER, str(self.port), "ok"]
+
+    server = Fake("unused", log_path=tmp_path / "fake.log", port=port)
+    try:
+        deadline = time.monotonic() + 30
+        while not listens_on(other.pid, port):
+            assert time.monotonic() < deadline, "the other server did not start"
+            time.sleep(0.05)
+        server.start(timeout_s=60)
+        assert Fake.launches[0] == port and server.port != port and len(Fake.launches) == 2
+        assert listens_on(server.proc.pid, server.port) and not listens_on(server.proc.pid, port)
+    finally:
+        server.stop()
+        other.kill()
+        other.wait()
+
+
 class _Sleeper(ServerProcess):
     """A stand-in server: a Python process that records its environment, then sleeps (ignoring
     SIGTERM when asked), in its own process group like a real one."""

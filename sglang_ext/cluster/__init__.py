@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .command import run_cluster
 from .config import OWNED_STORAGE_FLAGS, OWNED_WORKER_FLAGS, STORAGE_BACKENDS, ClusterSpec, parse_cluster_args
-from .net import free_port, free_ports, port_taken
+from .net import free_port, free_ports, listens_on, port_taken
 from .processes import PORT_RETRIES, READY_TIMEOUT_S, STOP_GRACE_S, Cluster
 from .router import ROUTER_POLICIES, router_available
 from .storage import mooncake_extra_config, mooncake_master_command, mooncake_store_command
@@ -37,4 +37,4 @@ from .storage import mooncake_extra_config, mooncake_master_command, mooncake_st
 __all__ = ["OWNED_STORAGE_FLAGS", "OWNED_WORKER_FLAGS", "PORT_RETRIES", "READY_TIMEOUT_S", "ROUTER_POLICIES",
            "STOP_GRACE_S", "STORAGE_BACKENDS", "Cluster", "ClusterSpec", "free_port", "free_ports",
            "mooncake_extra_config", "mooncake_master_command", "mooncake_store_command", "parse_cluster_args",
-           "port_taken", "router_available", "run_cluster"]
+           "listens_on", "port_taken", "router_available", "run_cluster"]

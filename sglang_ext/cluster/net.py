@@ -1,5 +1,6 @@
 """Ports and HTTP probes the cluster (and the eval harness) use: free ports, whether a server's
-log says its port was taken, and a GET that answers None instead of raising."""
+log says its port was taken, whether a server's process is the one listening on its port, and a
+GET that answers None instead of raising."""
 
 from __future__ import annotations
 
@@ -27,6 +28,27 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def port_taken(log: str) -> bool:
     """Whether a server's log says uvicorn could not bind its HTTP port."""
     return "error while attempting to bind" in log and "address already in use" in log
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` or one of its descendants listens on TCP `port`. A server answering
+    on its port is only this caller's server if so: between `free_port()` and the server's bind,
+    another server started beside it may take the port, and then answers there first."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return False
+    for proc in tree:
+        try:
+            conns = proc.net_connections(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
+            return True
+    return False
 
 
 def get_text(url: str) -> str | None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from sglang_ext.launcher import LaunchError
 
 from .config import ClusterSpec
-from .net import free_ports, get_ok, get_text, port_taken
+from .net import free_ports, get_ok, get_text, listens_on, port_taken
 from .router import router_available
 
 READY_TIMEOUT_S = 600.0
@@ -70,13 +70,17 @@ class Cluster:
             log.close()
 
     def _wait(self, url: str, deadline: float, what: str, proc: subprocess.Popen, log_name: str,
-              port_check: bool = False) -> None:
+              port: int | None = None) -> None:
+        """Until `url` answers 200 from `proc`. With its `port`: a log saying the port was taken,
+        or an answer there from another process's server, is `_PortTaken`."""
         while time.monotonic() < deadline:
-            if port_check and port_taken((self.spec.log_dir / log_name).read_text(errors="replace")):
+            if port is not None and port_taken((self.spec.log_dir / log_name).read_text(errors="replace")):
                 raise _PortTaken(what)
             if proc.poll() is not None:
                 raise RuntimeError(f"{what} exited with code {proc.returncode}; log: {self.spec.log_dir / log_name}")
             if get_ok(url):
+                if port is not None and not listens_on(proc.pid, port):
+                    raise _PortTaken(what)   # another process's server answered on the port
                 return
             time.sleep(1.0)
         raise TimeoutError(f"{what} not ready; log: {self.spec.log_dir / log_name}")
@@ -104,7 +108,7 @@ class Cluster:
             url = self.spec.worker_urls()[i]
             try:
                 self._wait(url + "/health_generate", deadline, f"worker {i} ({url})", self.workers[i],
-                           f"worker-{i}.log", port_check=True)
+                           f"worker-{i}.log", port=self.spec.worker_ports[i])
                 return
             except _PortTaken:
                 _stop_group(self.workers[i])
