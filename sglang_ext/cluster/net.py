@@ -42,8 +42,9 @@ def listens_on(pid: int, port: int) -> bool:
     except psutil.NoSuchProcess:
         return False
     for proc in tree:
-        try:
-            conns = proc.net_connections(kind="tcp")
+        try:   # `net_connections` from psutil 6, `connections` before (setup.py: psutil>=5.9)
+            listing = getattr(proc, "net_connections", None) or proc.connections
+            conns = listing(kind="tcp")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in conns):
