@@ -32,8 +32,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-#: the modules that take longest (set-up and calls summed, a fresh-clone run of
-#: `scripts/test.sh --durations=0` on 2026-12-07, 13 to 129 s each), longest first. The workers
+#: the modules that take longest (set-up and calls summed, a run of `scripts/test.sh
+#: --durations=0` in the work tree on 2026-12-07, 13 to 129 s each), longest first. The workers
 #: take modules in collection order (`--no-loadscope-reorder`), so these go first and the short
 #: ones fill the end of both workers' queues, instead of a long server module starting last
 #: while the other worker idles. The other modules follow in their collection order; a module
