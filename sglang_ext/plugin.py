@@ -77,11 +77,20 @@ def selects_sae(server_args: Any) -> bool:
 def check_main_process(server_args: Any) -> list[str]:
     """Parse the server's Tail-Replay config and check it against the flags; raise ValueError
     (TailReplayConfigError / StartupError) naming the key or both flags; return the summary.
-    A local model folder's decay.json becomes the config's `decay_profile` (for budget "auto")."""
+    A local model folder's decay.json becomes the config's `decay_profile` (for budget "auto").
+    Where the combination admits it, the server runs on one byte budget: `--enable-unified-memory`
+    is turned on here, before SGLang resolves the flags (`apply_unified_memory_default`). May
+    mutate: `server_args.enable_unified_memory`."""
     from sglang_ext.env import export_tail_replay_config, linearkv_config_text, tail_replay_config_text
     from sglang_ext.linearkv import check_server_flags
     from sglang_ext.linearkv import parse_server_config as parse_config
-    from sglang_ext.tail_replay import check_start, facts_from_server_args, server_config, with_model_profile
+    from sglang_ext.tail_replay import (
+        apply_unified_memory_default,
+        check_start,
+        facts_from_server_args,
+        server_config,
+        with_model_profile,
+    )
 
     check_server_flags(server_args)
     parse_config(linearkv_config_text())
@@ -90,7 +99,8 @@ def check_main_process(server_args: Any) -> list[str]:
     resolved = with_model_profile(text, facts.model_path)
     if resolved != text and resolved is not None:
         export_tail_replay_config(resolved)   # every process SGLang starts from here on sees it
-    return check_start(server_config(), facts)
+    lines = check_start(server_config(), facts)
+    return [*lines, apply_unified_memory_default(server_args, server_config())]
 
 
 def _apply(mode: str) -> None:

@@ -206,12 +206,16 @@ from sglang_ext.tail_replay.request_fields import (
     with_overrides,
 )
 from sglang_ext.tail_replay.startup import (
+    PoolFacts,
     ServerFacts,
     StartupError,
+    apply_unified_memory_default,
     check_scheduler_start,
     check_start,
     facts_from_server_args,
+    pool_facts_from_server_args,
     request_limits,
+    unified_memory_default,
 )
 
 #: names served from `cache` (it imports SGLang's unified radix cache), loaded on first use
@@ -237,6 +241,7 @@ __all__ = [
     "linear_kinds", "linear_kinds_in", "linear_seam_owner", "linear_seam_targets", "linear_seams_at",
     "register_linear_kind", "unregister_linear_kind",
     "ServerFacts", "StartupError", "check_scheduler_start", "check_start", "facts_from_server_args", "request_limits",
+    "PoolFacts", "apply_unified_memory_default", "pool_facts_from_server_args", "unified_memory_default",
     "KIND_TRANSFERRED_UNLABELLED", "ROW_WORDS", "decode_side_label", "encode_label", "merge_labels",
     *_FROM_CACHE,
 ]

@@ -149,7 +149,7 @@ class SharedRepairRules:
         `SHARED_REPAIR_RESEND_S` (if the repair never landed); a state stored on the node clears
         the mark (`commit_insert_component_data`). The branch point, where stock's miss keeps its
         state, is kept on the record whether or not a repair is asked (`stock_branch_depth`). May
-        mutate: the record's `shared_repair` and `stock_branch_depth`, a node's mark, the tree's
+        mutate: the record's `shared_repair`, `repair_asked_at` and `stock_branch_depth`, a node's mark, the tree's
         node boundaries (the node at the branch rule's depth is split off, so that the mark sits
         where the state will land)."""
         core = self.cache.tree_core
@@ -183,7 +183,7 @@ class SharedRepairRules:
         if now - getattr(node, SHARED_REPAIR_ATTR, -math.inf) < SHARED_REPAIR_RESEND_S:
             return
         setattr(node, SHARED_REPAIR_ATTR, now)
-        record.shared_repair = depth
+        record.shared_repair = record.repair_asked_at = depth
 
     def repair_grid(self) -> int:
         """Where a repair run's state lands below its end: the extra buffer's checkpoint grid (its

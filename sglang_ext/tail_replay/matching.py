@@ -108,6 +108,17 @@ class MatchPlanner:
 
         return path.node_at_depth(depth, cache.tree_core.root_node.id, split)
 
+    def start_grid(self, config: TailReplayConfig) -> int:
+        """The grid a replayed tail starts on: under the extra buffer, for a request whose states go
+        into the tree (`keep_checkpoints`), SGLang's checkpoint grid; else the page. SGLang tracks a
+        request's states at its prefix plus whole grid steps, so a start off the grid would put
+        every state the request (and its conversation after it) tracks off the grid stock's states
+        lie on, and the next turn would resume up to a grid step shallower than stock's. Reads only."""
+        cache = self.cache
+        if cache.enable_mamba_extra_buffer and config.knobs.keep_checkpoints:
+            return cache.components[ComponentType.MAMBA].mamba_checkpoint_grid
+        return cache.page_size
+
     def _host_states(self) -> bool:
         return self.cache.components[ComponentType.MAMBA].host_states
 
@@ -129,7 +140,7 @@ class MatchPlanner:
             last_node = self.node_at_depth(path, matched)
         exact_state = prov.deepest_exact_state(config.threshold, config.strict)
         approx_state = None if config.strict else prov.deepest_approximate_state(config.threshold)
-        plan = plan_replay(matched, exact_state.depth if exact_state else None, page, config,
+        plan = plan_replay(matched, exact_state.depth if exact_state else None, self.start_grid(config), config,
                            (approx_state.depth, approx_state.bound) if approx_state else None)
         if plan.pressure == "beyond_tolerance":   # pressed, the approximate plan's bound too large: exact
             planned = self.plan(record, matched, path, last_node, exact_fallback(config))

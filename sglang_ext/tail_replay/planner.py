@@ -4,9 +4,12 @@ deterministic).
 Inputs: L (tokens whose attention KV is cached and may be read: in `exactness: "exact"` only the
 strictly exact ones), C (depth of the deepest recurrent-state checkpoint on the matched path that
 counts as exact, if any), A (depth and bound of the deepest approximate checkpoint, if any), the
-page size, and the config. Output: a ReplayPlan.
+grid a replayed tail starts on (the page; under SGLang's extra buffer its checkpoint grid, so that
+the states the request tracks land where stock's do: `MatchPlanner.start_grid`), and the config.
+Output: a ReplayPlan.
 
-- EXACT_CHECKPOINT:       L - C <= W: start from the checkpoint's state at C, recompute [C, L).
+- EXACT_CHECKPOINT:       L - C <= W (or the window's start, cut to the grid, is at most C): start
+                          from the checkpoint's state at C, recompute [C, L).
                           `exactness: "exact_first"` (and "exact"): whenever C exists and the
                           window does not reach the first token (stock SGLang's hit, exact).
 - APPROXIMATE_CHECKPOINT: A deeper than C, L - A <= W, and A's bound no worse than a fresh
@@ -14,8 +17,9 @@ page size, and the config. Output: a ReplayPlan.
                           bound: a replay from zero may drop the whole state, bound 1): resume from
                           the approximate state at A (a conversation's previous turn), recompute
                           [A, L); its bound decays on. Never in the exact mode.
-- EXACT_REPLAY:           W >= L (in whole pages): replay all of [0, L) from the zero state.
-- APPROXIMATE:            replay the last W tokens [L - W, L) from a zero state; older tokens are
+- EXACT_REPLAY:           W >= L (on the grid): replay all of [0, L) from the zero state.
+- APPROXIMATE:            replay the last W tokens [L - W, L) from a zero state (the start rounded
+                          down to the grid: at least W tokens); older tokens are
                           dropped from the linear layers' state (their gates have mostly forgotten
                           them). Never in the exact mode (there: C, else a miss).
 - MISS:                   L < min_match_tokens (or L = 0) and no checkpoint: compute everything.
@@ -137,9 +141,9 @@ def planned_bound(plan: ReplayPlan, config: TailReplayConfig, approximate_checkp
     return fresh_replay_bound(config, plan.replayed_tokens)
 
 
-def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
+def plan_replay(matched_len: int, checkpoint_len: int | None, grid: int,
                 config: TailReplayConfig, approximate_checkpoint: tuple[int, float] | None = None) -> ReplayPlan:
-    plan = _plan(matched_len, checkpoint_len, page_size, config, approximate_checkpoint)
+    plan = _plan(matched_len, checkpoint_len, grid, config, approximate_checkpoint)
     if config.knobs.exactness != "exact_unless_pressed" or not config.pressed_by:
         return plan
     if plan.state_is_exact:
@@ -150,7 +154,7 @@ def plan_replay(matched_len: int, checkpoint_len: int | None, page_size: int,
     return replace(plan, pressure=verdict, planned_bound=bound)
 
 
-def _plan(matched_len: int, checkpoint_len: int | None, page_size: int,
+def _plan(matched_len: int, checkpoint_len: int | None, grid: int,
           config: TailReplayConfig, approximate_checkpoint: tuple[int, float] | None) -> ReplayPlan:
     window = replay_window(matched_len, config)
     if checkpoint_len is not None and matched_len - checkpoint_len <= window:
@@ -159,9 +163,11 @@ def _plan(matched_len: int, checkpoint_len: int | None, page_size: int,
         if checkpoint_len:
             return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
         return ReplayPlan(HitKind.MISS, matched_len, 0, 0)
-    start = max(matched_len - window, 0) // page_size * page_size
-    if start == 0:   # the window, cut to whole pages, reaches the first token: exact
+    start = max(matched_len - window, 0) // grid * grid
+    if start == 0:   # the window, cut to the grid, reaches the first token: exact
         return ReplayPlan(HitKind.EXACT_REPLAY, matched_len, 0, 0)
+    if checkpoint_len and start <= checkpoint_len:   # the window, cut to the grid, reaches an exact state
+        return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
     if config.strict or (config.exact_first and checkpoint_len):
         # no approximation where an exact state is on the path (exact_first), or at all (exact):
         # the exact checkpoint, recomputing the rest, or nothing

@@ -131,6 +131,10 @@ class TailReplayRequest:
     #: shared-state repair (tail_replay/repair.py): the prefix length whose exact state this
     #: request asks for (set at a match, at most once; sent with its first output, then None)
     shared_repair: int | None = None
+    #: the depth whose exact state this request asked a repair for (`shared_repair` as it was
+    #: set; kept): the request stores no inexact state of its own there, which would hold the node
+    #: (its lock while it runs) against the repair's exact state (`InsertContext.awaits_repair_at`)
+    repair_asked_at: int | None = None
     #: where stock SGLang's miss of this request keeps its state instead of at the request's own
     #: end: its branch point, under the extra buffer, when this request's approximate plan branches
     #: off the tree there (`SharedRepairRules.note`; read by the state order's stock

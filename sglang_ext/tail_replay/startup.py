@@ -128,6 +128,117 @@ def summary_line(config: TailReplayConfig, facts: ServerFacts) -> str:
             f"per-request overrides refused: {'; '.join(refused)}{storage}")
 
 
+# ------------------------------------------------------------------ one byte budget by default
+
+#: full-attention backends whose kernels read SGLang 0.5.23's unified pool through its id
+#: translation (its page-major allow-list, `kv_cache_hook.handle_page_major_kv_layout`, for MHA
+#: models), and the CPU server's `torch_native` (`patches/cpu/unified_memory.py`); None: SGLang picks
+UNIFIED_ATTENTION_BACKENDS = ("triton", "fa3", "fa4", "flashinfer", "trtllm_mha", "torch_native")
+#: linear-attention backends it admits for the strided state, decode and prefill (SGLang's sets)
+UNIFIED_LINEAR_DECODE = ("triton", "flashinfer")
+UNIFIED_LINEAR_PREFILL = ("triton", "flashkda", "flashinfer")
+
+
+@dataclass(frozen=True)
+class PoolFacts:
+    """The server flags (as given, before SGLang resolves them) that decide whether Tail-Replay
+    runs on one byte budget (`unified_memory_default`)."""
+
+    #: `--enable-unified-memory` given by the operator
+    unified_memory: bool = False
+    #: `--disaggregation-mode` ("null": none)
+    disaggregation_mode: str = "null"
+    #: `--enable-kv-cache-sharding`
+    kv_cache_sharding: bool = False
+    #: `--speculative-algorithm`
+    speculative_algorithm: str | None = None
+    #: `--attention-backend`, `--prefill-attention-backend`, `--decode-attention-backend` (None: unset)
+    attention_backends: tuple[str | None, ...] = ()
+    #: `--linear-attn-backend`, `--linear-attn-decode-backend`, `--linear-attn-prefill-backend`
+    linear_attn_backends: tuple[str | None, str | None, str | None] = (None, None, None)
+    #: `--mamba-backend`
+    mamba_backend: str | None = None
+    #: `--kv-cache-dtype`
+    kv_cache_dtype: str = "auto"
+    #: `--enable-hierarchical-cache`
+    hierarchical_cache: bool = False
+
+
+def unified_memory_default(config: TailReplayConfig, facts: PoolFacts) -> str | None:
+    """Whether the server runs on one byte budget: SGLang's unified memory (`--enable-unified-memory`:
+    the KV pool and the state pool are views over one byte buffer, the split follows the workload,
+    and Tail-Replay's eviction frees the states worth less per byte than KV first,
+    `byte_budget.ByteBudget`). Returns None where it does (the operator's flag, or the default),
+    else why the server keeps SGLang's static pools: the config's `byte_budget: false`, a
+    combination SGLang 0.5.23 refuses with the unified pool (a quantized FP4 KV cache, KV
+    sharding, backends outside its allow-lists), or one that never ran with it here (HiCache, PD
+    disaggregation, speculative decoding). Pure."""
+    if facts.unified_memory:
+        return None
+    if not config.server.byte_budget:
+        return "the Tail-Replay config sets byte_budget false"
+    dtype = str(facts.kv_cache_dtype).lower()
+    linear, decode, prefill = facts.linear_attn_backends
+    reasons = (
+        (facts.hierarchical_cache, "--enable-hierarchical-cache: HiCache with the unified pool never ran with "
+                                   "Tail-Replay (on CPU SGLang moves it to its CUDA copy kernels)"),
+        (facts.disaggregation_mode not in ("null", "", None),
+         f"--disaggregation-mode {facts.disaggregation_mode}: the extra buffer's transfer with the unified "
+         "pool never ran"),
+        (facts.kv_cache_sharding, "--enable-kv-cache-sharding: SGLang refuses it with --enable-unified-memory"),
+        ("fp4" in dtype, f"--kv-cache-dtype {facts.kv_cache_dtype}: SGLang's unified pool has no FP4 KV cache"),
+        (facts.speculative_algorithm is not None,
+         f"--speculative-algorithm {facts.speculative_algorithm}: speculative decoding with the unified pool "
+         "never ran with Tail-Replay"),
+        (any(b is not None and b not in UNIFIED_ATTENTION_BACKENDS for b in facts.attention_backends),
+         f"attention backend {[b for b in facts.attention_backends if b]}: not one that reads the unified pool "
+         f"({', '.join(UNIFIED_ATTENTION_BACKENDS)})"),
+        (any(b is not None and b not in UNIFIED_LINEAR_DECODE for b in (linear, decode))
+         or (prefill is not None and prefill not in UNIFIED_LINEAR_PREFILL),
+         f"linear-attention backend {[b for b in facts.linear_attn_backends if b]}: not one SGLang admits for "
+         "the unified pool's strided state"),
+        (facts.mamba_backend not in (None, "triton"),
+         f"--mamba-backend {facts.mamba_backend}: SGLang's unified pool needs the Triton Mamba kernels"),
+    )
+    return next((why for refused, why in reasons if refused), None)
+
+
+def pool_facts_from_server_args(server_args: Any) -> PoolFacts:
+    """PoolFacts from SGLang's ServerArgs (flags as given, before resolution)."""
+    def flag(name: str) -> Any:
+        return getattr(server_args, name, None)
+
+    return PoolFacts(unified_memory=bool(flag("enable_unified_memory")),
+                     disaggregation_mode=str(flag("disaggregation_mode") or "null"),
+                     kv_cache_sharding=bool(flag("enable_kv_cache_sharding")),
+                     speculative_algorithm=flag("speculative_algorithm") or None,
+                     attention_backends=tuple(flag(n) or None for n in ("attention_backend", "prefill_attention_backend",
+                                                                        "decode_attention_backend")),
+                     linear_attn_backends=(flag("linear_attn_backend") or None, flag("linear_attn_decode_backend") or None,
+                                           flag("linear_attn_prefill_backend") or None),
+                     mamba_backend=flag("mamba_backend") or None,
+                     kv_cache_dtype=str(flag("kv_cache_dtype") or "auto"),
+                     hierarchical_cache=bool(flag("enable_hierarchical_cache")))
+
+
+def apply_unified_memory_default(server_args: Any, config: TailReplayConfig) -> str:
+    """Main process, before SGLang resolves `server_args`: turn on `--enable-unified-memory` where
+    `unified_memory_default` says so. Returns the line saying which pools the server runs on.
+    May mutate: `server_args.enable_unified_memory`."""
+    why = unified_memory_default(config, pool_facts_from_server_args(server_args))
+    if why is None and not getattr(server_args, "enable_unified_memory", False):
+        server_args.enable_unified_memory = True
+    return pools_line(config, server_args)
+
+
+def pools_line(config: TailReplayConfig, server_args: Any) -> str:
+    """Which pools the server runs on, and why (the start-up log)."""
+    if getattr(server_args, "enable_unified_memory", False):
+        eviction = "Tail-Replay's byte_budget eviction" if config.server.byte_budget else "SGLang's eviction"
+        return f"Tail-Replay pools: one byte budget (SGLang's --enable-unified-memory; {eviction})"
+    why = unified_memory_default(config, pool_facts_from_server_args(server_args))
+    return f"Tail-Replay pools: SGLang's static KV and state pools ({why or '--enable-unified-memory was not set'})"
+
 # ------------------------------------------------------------------ adapters (duck-typed)
 
 def facts_from_server_args(server_args: Any) -> ServerFacts:
@@ -148,7 +259,7 @@ def check_scheduler_start(ctx: Any, config: TailReplayConfig) -> None:
     resolved = getattr(runner, "kv_cache_dtype", None)
     facts = (dataclasses.replace(flag, kv_cache_dtype=str(resolved).removeprefix("torch."))
              if resolved is not None else flag)
-    lines = check_start(config, facts)
+    lines = [*check_start(config, facts), pools_line(config, ctx.server_args)]
     check_flag_names_kv_dtype(flag, facts)
     if getattr(ctx, "tp_rank", 0) == 0:
         for line in lines:

@@ -12,7 +12,7 @@ from eval.harness import ServerProcess
 from tests.e2e.serving import STRICT_CHECK_ENV, conversation_turns, metric_total
 
 #: 659,456 bytes: the KV of 2,576 tokens, or 39 states of the fixture (a state: the KV of 66 tokens)
-ARGS = ["--dtype", "float32", "--radix-cache-backend", "tail_replay", "--enable-unified-memory",
+ARGS = ["--dtype", "float32", "--radix-cache-backend", "tail_replay",   # one byte budget: the default
         "--max-total-tokens", "2048", "--max-mamba-cache-size", "8", "--chunked-prefill-size", "64",
         "--enable-metrics"]
 

@@ -12,7 +12,10 @@ takes the place of the chunk's own):
   ping-pong slots, so 2 requests run at once (with one slot each, 6 would be admitted and the
   third one's ping-pong allocation would fail).
 - "checkpoints": Nemotron-H (Mamba-2), no overlap, checkpoints kept (the default),
-  `--max-mamba-cache-size 12` (SGLang's own 4 slots per request: 3 running).
+  `--max-mamba-cache-size 12` (SGLang's own 4 slots per request: 3 running), on SGLang's static
+  pools (`byte_budget: false`: the state pool's pressure is what several tests are about).
+
+The "no_checkpoints" server runs on one byte budget (the default: SGLang's unified memory).
 
 Both run with SGLang's strict idle check (the scheduler raises, and the server dies, when the
 pools do not add up once it is idle) and its tree-cache sanity check.
@@ -45,7 +48,7 @@ COMMON = ["--dtype", "float32", "--radix-cache-backend", "tail_replay",
 #: name: (arch, config, state slots, overlap scheduler, chunked prefill size)
 SERVERS = {
     "no_checkpoints": ("qwen3-next", {**BASE, "budget": 1 / 16, "keep_checkpoints": False}, 6, True, 64),
-    "checkpoints": ("nemotron-h", {**BASE, "budget": 1 / 4}, 12, False, 128),
+    "checkpoints": ("nemotron-h", {**BASE, "budget": 1 / 4, "byte_budget": False}, 12, False, 128),
 }
 #: SGLang's pool checks, on (strict: a leak raises in the scheduler)
 CHECK_ENV = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK": "1"}
@@ -249,10 +252,30 @@ def test_a_finished_request_leaves_its_kv_past_its_last_state_in_the_tree(server
                               "replayed_tokens": 8, "exact": True, "kv_exact": True, "bound": 0.0}
     assert exact["meta_info"]["cached_tokens"] == 192
     assert_matches_reference(exact, references("nemotron-h", ids))
+    # an approximate plan starts on the checkpoint grid: the last matched token's window, cut to
+    # the grid, reaches the state at 192, so even a request that takes approximation resumes there
     approx = ask(server, first + random_prompt(QUESTION, seed=122), {"exactness": "approximate", "budget": 0})
-    assert details(approx)["kind"] == "approximate" and details(approx)["matched_tokens"] == 200
-    assert approx["meta_info"]["cached_tokens"] == 199                      # the last matched token replayed
+    assert details(approx)["kind"] == "exact_checkpoint" and details(approx)["matched_tokens"] == 200
+    assert approx["meta_info"]["cached_tokens"] == 192
     assert len(approx["output_ids"]) == NEW
+
+
+def test_an_approximate_replay_starts_on_the_checkpoint_grid(servers):
+    """SGLang's extra buffer tracks a request's states at its prefix plus whole steps of the
+    checkpoint grid (64 here), so an approximate replay that started off the grid would put every
+    state it tracks off the grid stock's states lie on, and the conversation's next turn would
+    resume up to 63 tokens shallower than stock's (the agentic replay's requests that reused 16-26
+    tokens fewer than stock). A document whose states were freed (its KV kept): the replay window
+    (72 of 240 matched tokens) starts at 168; cut to the grid, at 128."""
+    server = servers["checkpoints"]
+    document = random_prompt(DOC, seed=130)
+    ask(server, document, new_tokens=1)                          # states to 192, KV to 240
+    for i in range(14):                                          # 14 newer states through 12 slots
+        ask(server, random_prompt(70, seed=131 + i), new_tokens=1)
+    result = ask(server, document + random_prompt(QUESTION, seed=150), {"budget": 0.3})
+    assert details(result)["kind"] == "approximate" and details(result)["matched_tokens"] == DOC
+    assert details(result)["reused_tokens"] == 128 and result["meta_info"]["cached_tokens"] == 128
+    assert len(result["output_ids"]) == NEW
 
 
 @pytest.mark.parametrize("name", SERVERS)

@@ -1,8 +1,8 @@
 """Tail-Replay under serving load: a small recurrent-state pool, a small KV pool, many concurrent
 clients over shared documents (issue: Tail-Replay under real serving load).
 
-One tail_replay server with the default keep_checkpoints=True, far fewer state slots than
-branches and a KV pool small enough that eviction runs during the test; one stock server with
+One tail_replay server with the default keep_checkpoints=True on SGLang's static pools, far fewer
+state slots than branches and a KV pool small enough that eviction runs during the test; one stock server with
 the radix cache disabled as the no-reuse reference. SGLang's idle pool-accounting check runs in
 strict mode (`SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1`), so a leaked KV or state slot kills
 the scheduler and fails every later request.
@@ -22,7 +22,11 @@ from eval.harness import ServerProcess, start_servers, stop_servers
 from eval.replay.servers import flush_cache
 from tests.e2e.serving import metric_total, random_prompt
 
-CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16}   # keep_checkpoints: default
+#: SGLang's static pools (`byte_budget: false`): a state pool and a KV pool of fixed sizes, whose
+#: pressure these tests are about (on one byte budget the split follows the workload instead:
+#: tests/e2e/test_tail_replay_byte_budget.py)
+CONFIG = {"budget": 1 / 16, "min_replay_tokens": 1, "min_match_tokens": 16,
+          "byte_budget": False}   # keep_checkpoints: default
 STATE_SLOTS = 8
 KV_TOKENS = 2048
 DOC = 256            # document length; 8 documents + their questions overflow the KV pool

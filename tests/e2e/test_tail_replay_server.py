@@ -48,11 +48,11 @@ def servers(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tail_replay_logs")
     pure_args = [*_server_args(PURE_CONFIG), "--max-mamba-cache-size", str(PURE_SLOTS),
                  "--max-running-requests", str(PURE_SLOTS)]
-    # the Qwen3-Next server runs on SGLang's unified memory (one byte buffer for KV and states,
-    # virtual slot ids): every test below reads its cached K/V through the id translation
+    # every server runs on one byte budget, Tail-Replay's default (SGLang's unified memory: one
+    # byte buffer for KV and states, virtual slot ids), none passing the flag: every test below
+    # reads its cached K/V through the id translation
     procs = {"qwen3-next": ServerProcess(str(tiny_model_factory("qwen3-next")),
-                                         [*_server_args(SERVER_CONFIG), "--enable-streaming-session",
-                                          "--enable-unified-memory"],
+                                         [*_server_args(SERVER_CONFIG), "--enable-streaming-session"],
                                          log_path=logs / "qwen3-next.log"),
              "nemotron-h": ServerProcess(str(tiny_model_factory("nemotron-h")), pure_args,
                                          log_path=logs / "nemotron-h.log"),
@@ -755,11 +755,12 @@ def test_a_session_belongs_to_the_namespace_of_its_first_turn(servers):
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
 
 
-def test_the_qwen3_next_server_runs_on_unified_memory(servers):
-    """`--enable-unified-memory` on the CPU server (`patches/cpu/unified_memory.py`): SGLang took
-    it (the KV pool is page-major, ids are translated), so the tests above that read cached K/V
-    (`kv_mode: "exact"` tails, reference comparisons) read it through the translation."""
-    info = requests.get(f"{servers['qwen3-next'].url}/get_server_info", timeout=30).json()
-    assert info["enable_unified_memory"] is True and info["enable_page_major_kv_layout"] is True
-    paged = requests.get(f"{servers['qwen3-next-paged'].url}/get_server_info", timeout=30).json()
-    assert paged["enable_unified_memory"] is False
+def test_every_server_runs_on_one_byte_budget_by_default(servers):
+    """No server here passes `--enable-unified-memory`: Tail-Replay turns it on (its default,
+    `startup.unified_memory_default`) and the CPU server runs it (`patches/cpu/unified_memory.py`):
+    SGLang took it (the KV pool is page-major, ids are translated), so the tests above that read
+    cached K/V (`kv_mode: "exact"` tails, reference comparisons) read it through the translation,
+    and the paged server allocates through SGLang's paged allocator's torch twins."""
+    for name, server in servers.items():
+        info = requests.get(f"{server.url}/get_server_info", timeout=30).json()
+        assert info["enable_unified_memory"] is True and info["enable_page_major_kv_layout"] is True, name

@@ -30,6 +30,7 @@ from sglang_ext.tail_replay.provenance.tree import (  # noqa: E402
     provenance_of,
     set_provenance,
 )
+from sglang_ext.tail_replay.provenance.writes import InsertContext  # noqa: E402
 from sglang_ext.tail_replay.request import TailReplayRequest  # noqa: E402
 from sglang_ext.tail_replay.state_order import StateEvictionWalk  # noqa: E402
 from sglang_ext.tail_replay.stock_last import StockLastOrder  # noqa: E402
@@ -167,6 +168,7 @@ def test_stock_last_observes_only_what_stock_would_do():
 def _writer(core: FakeCore, *, prompt_len=None, bounds=None, state_bound=0.0, record=None, freed=None):
     inserting = SimpleNamespace(prompt_len=prompt_len, record=record, state_bound=lambda depth: state_bound,
                                 bounds=lambda a, b: bounds[a:b] if bounds is not None else torch.zeros(b - a))
+    inserting.awaits_repair_at = lambda depth, bound: InsertContext.awaits_repair_at(inserting, depth, bound)
     return ProvenanceWriter(core, MAMBA, inserting=lambda: inserting,
                             free_state=(freed.append if freed is not None else None))
 
@@ -207,6 +209,26 @@ def test_a_worse_stored_state_is_replaced_a_better_one_kept(old, new, kept):
     else:
         assert int(node.component_data[MAMBA].value) == 1 and freed == [] and calls == [1]
         assert provenance_of(node).state == old
+
+
+@pytest.mark.parametrize(("asked_at", "bound", "stored"), [(4, 0.5, False), (4, 0.0, True), (8, 0.5, True),
+                                                           (None, 0.5, True)])
+def test_a_request_stores_no_inexact_state_where_it_asked_a_repair_for_the_exact_one(asked_at, bound, stored):
+    # the repair's exact state lands on that node later; the request's own, stored there, would hold
+    # the node (its lock while it runs) against it
+    core = FakeCore()
+    node = core.add(1, core.root_node, 4)
+    node.component_data[MAMBA].value = None
+    record = TailReplayRequest(TailReplayConfig())
+    record.repair_asked_at = asked_at
+    calls = []
+    writer = _writer(core, state_bound=bound, record=record)
+    params, result = SimpleNamespace(mamba_value=torch.tensor([9])), SimpleNamespace(prefix_len=4, mamba_exist=False)
+    writer.on_commit(node, False, params, result, [], stock=_stock_commit(calls))
+    if stored:
+        assert int(node.component_data[MAMBA].value) == 9 and calls == [1] and not result.mamba_exist
+    else:   # SGLang frees the request's copy, as for a node that holds a state
+        assert node.component_data[MAMBA].value is None and calls == [] and result.mamba_exist
 
 
 def test_a_split_keeps_each_halfs_bounds_and_answer_mark():

@@ -93,6 +93,15 @@ def test_zero_budget_reuses_the_whole_match_and_replays_nothing():
     assert plan_replay(500, None, 64, zero).replayed_tokens == 500 - 448   # back to a page boundary
 
 
+def test_window_cut_to_the_grid_reaching_an_exact_state_resumes_there():
+    # L = 500, W = 50, grid 64: the window's start, cut to the grid, is 448; an exact state at 448
+    # (or deeper than the start) is where the request resumes, exactly; one above the start is not
+    assert plan_replay(500, 448, 64, CFG) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 500, 448, 448)
+    assert plan_replay(500, 449, 64, CFG) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 500, 449, 449)
+    assert plan_replay(500, 384, 64, CFG) == ReplayPlan(HitKind.APPROXIMATE, 500, 448, 448)
+    assert plan_replay(500, 449, 1, CFG) == ReplayPlan(HitKind.APPROXIMATE, 500, 450, 450)
+
+
 @pytest.mark.parametrize(
     "matched, page, expected_prefix",
     [
@@ -377,6 +386,7 @@ def test_plan_properties(args):
         assert window <= plan.replayed_tokens < window + page
         assert matched >= cfg.knobs.min_match_tokens and window < matched
         assert not plan.state_is_exact
+        assert checkpoint is None or plan.prefix_len > checkpoint   # never from zero above an exact state
     else:
         assert plan.state_is_exact
     if plan.kind is HitKind.EXACT_CHECKPOINT:

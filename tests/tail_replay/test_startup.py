@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -13,7 +14,20 @@ from sglang_ext.tail_replay import config as config_module
 from sglang_ext.tail_replay import server_config
 from sglang_ext.tail_replay.config import TailReplayConfig, TailReplayConfigError
 from sglang_ext.tail_replay.request_fields import RequestLimits, request_overrides
-from sglang_ext.tail_replay.startup import ServerFacts, StartupError, check_scheduler_start, check_start, kv_cache_is_quantized, request_limits, summary_line
+from sglang_ext.tail_replay.startup import (
+    PoolFacts,
+    ServerFacts,
+    StartupError,
+    apply_unified_memory_default,
+    check_scheduler_start,
+    check_start,
+    kv_cache_is_quantized,
+    pool_facts_from_server_args,
+    pools_line,
+    request_limits,
+    summary_line,
+    unified_memory_default,
+)
 
 BASE = TailReplayConfig()
 NO_CKPT = TailReplayConfig.of(keep_checkpoints=False)
@@ -129,7 +143,7 @@ def test_scheduler_check_uses_the_resolved_kv_dtype_and_logs_on_rank_0_only(capl
         check_scheduler_start(_ctx(1, torch.bfloat16), BASE)
         assert not caplog.records
         check_scheduler_start(_ctx(0, torch.bfloat16), BASE)
-    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["Tail-Replay config in force"]
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["Tail-Replay config in force", "Tail-Replay pools"]
     assert "kv cache dtype bfloat16" in caplog.records[0].getMessage()
 
 
@@ -161,3 +175,54 @@ def test_sglangs_rust_server_is_refused_naming_the_variable(monkeypatch, value, 
             check_start(TailReplayConfig(), facts)
     else:
         assert check_start(TailReplayConfig(), facts)
+
+
+# ---------------------------------------------------------------- one byte budget by default
+
+
+@pytest.mark.parametrize("facts, reason", [
+    (PoolFacts(), None),
+    (PoolFacts(attention_backends=("torch_native", None, None)), None),
+    (PoolFacts(attention_backends=("fa3", "flashinfer", None), linear_attn_backends=("triton", None, "flashkda")), None),
+    (PoolFacts(hierarchical_cache=True), "--enable-hierarchical-cache"),
+    (PoolFacts(disaggregation_mode="prefill"), "--disaggregation-mode prefill"),
+    (PoolFacts(kv_cache_sharding=True), "--enable-kv-cache-sharding"),
+    (PoolFacts(kv_cache_dtype="nvfp4"), "--kv-cache-dtype nvfp4"),
+    (PoolFacts(speculative_algorithm="EAGLE"), "--speculative-algorithm EAGLE"),
+    (PoolFacts(attention_backends=("intel_amx", None, None)), "attention backend ['intel_amx']"),
+    (PoolFacts(linear_attn_backends=("cutedsl", None, None)), "linear-attention backend ['cutedsl']"),
+    (PoolFacts(linear_attn_backends=(None, "flashkda", None)), "linear-attention backend ['flashkda']"),
+    (PoolFacts(mamba_backend="flashinfer"), "--mamba-backend flashinfer"),
+])
+def test_one_byte_budget_unless_a_flag_rules_it_out_naming_the_flag(facts, reason):
+    why = unified_memory_default(BASE, facts)
+    assert why is None if reason is None else why.startswith(reason)
+    # the operator's own --enable-unified-memory stands, whatever else is set
+    assert unified_memory_default(BASE, dataclasses.replace(facts, unified_memory=True)) is None
+
+
+def test_byte_budget_false_keeps_the_static_pools():
+    off = TailReplayConfig.of(byte_budget=False)
+    assert unified_memory_default(off, PoolFacts()) == "the Tail-Replay config sets byte_budget false"
+
+
+def test_the_default_is_applied_to_sglangs_own_server_args_before_resolution():
+    from sglang.srt.server_args import prepare_server_args
+
+    def args(*flags):
+        return prepare_server_args(["--model-path", "/nonexistent", "--radix-cache-backend", "tail_replay", *flags])
+
+    plain = args()
+    assert pool_facts_from_server_args(plain) == PoolFacts(attention_backends=(None, None, None),
+                                                          linear_attn_backends=("triton", None, None),
+                                                          mamba_backend="triton")
+    line = apply_unified_memory_default(plain, BASE)
+    assert plain.enable_unified_memory is True and line.startswith("Tail-Replay pools: one byte budget")
+    hicache = args("--enable-hierarchical-cache")
+    line = apply_unified_memory_default(hicache, BASE)
+    assert hicache.enable_unified_memory is False
+    assert line.startswith("Tail-Replay pools: SGLang's static KV and state pools (--enable-hierarchical-cache")
+    sharded = args("--kv-cache-dtype", "fp8_e4m3", "--speculative-algorithm", "EAGLE")
+    apply_unified_memory_default(sharded, BASE)
+    assert sharded.enable_unified_memory is False
+    assert "byte_budget eviction" in pools_line(BASE, SimpleNamespace(enable_unified_memory=True))

@@ -169,8 +169,9 @@ class ProvenanceWriter:
         """The new leaf's KV gets the inserting request's bounds at its positions, and a mark where
         the request's generated answer begins in it (`answer_from`); a state the tree takes gets
         the request's bound at its depth. An existing state of a larger bound is replaced by the
-        request's (unless locked); otherwise `stock(node, is_new_leaf, params, result,
-        cache_actions)` (SGLang's commit) stores it. May mutate: the node's provenance, answer mark
+        request's (unless locked); a state the request asked a repair for and holds only inexactly
+        is not taken (`InsertContext.awaits_repair_at`; SGLang frees it as a duplicate); otherwise
+        `stock(node, is_new_leaf, params, result, cache_actions)` (SGLang's commit) stores it. May mutate: the node's provenance, answer mark
         and state, its shared-state repair mark (cleared when it takes a state), its place in the
         state LRU, and whatever `stock` mutates."""
         depth = result.prefix_len + (len(node.key) if is_new_leaf else 0)
@@ -184,6 +185,9 @@ class ProvenanceWriter:
         if params.mamba_value is None:
             return
         state_bound = self.inserting().state_bound(depth)
+        if self.inserting().awaits_repair_at(depth, state_bound):
+            result.mamba_exist = True   # SGLang frees the request's copy, as for a node holding one
+            return
         cd = node.component_data[self.component_type]
         old = provenance_of(node)
         if not is_new_leaf and cd.value is not None and old is not None and old.state > state_bound \

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sglang_ext.tail_replay.provenance.bounds import UNTRACKED
+from sglang_ext.tail_replay.provenance.bounds import UNTRACKED, counts_exact
 from sglang_ext.tail_replay.request import TailReplayRequest, bounds_of
 
 if TYPE_CHECKING:
@@ -97,6 +97,15 @@ class InsertContext:
         """The bound of a state stored at `depth` (`state_bound`). Reads only."""
         return state_bound(self.record, depth, caching=self.caching, transferred=self.transferred,
                            history=self.history)
+
+    def awaits_repair_at(self, depth: int, bound: float) -> bool:
+        """Whether a state of `bound` at `depth` is one the tree should not take from this request:
+        it asked a repair for the exact state at that depth, and its own does not count as exact
+        (stored, it would hold the node against the repair's: the request locks the node it
+        inserts while it runs, and a locked state is not replaced). Reads only."""
+        record = self.record
+        return (record is not None and record.repair_asked_at == depth
+                and not counts_exact(bound, record.config.server.exact_threshold))
 
 
 #: the context of an insert that runs outside any request's caching: exact
