@@ -18,7 +18,9 @@ ones it serves (SGLang's `memory_pool.py`); both rules count it.
   the rest is KV. It admits K // ratio running requests (`_calculate_mamba_ratio`).
 * Tail-Replay: the state slots its running batch needs (`--concurrency` x the slots SGLang reserves
   per running request under the server's strategy) plus a configurable number of checkpoint
-  slots (`--tail-replay-checkpoint-slots`; several values sweep the split); the rest is KV.
+  slots (`--tail-replay-checkpoint-slots`; several values sweep the split); the rest is KV. On one
+  byte budget (Tail-Replay's default: SGLang's unified memory) this split is only where the pools
+  start; the total is fixed and the split follows the workload.
 
 Slots per running request (`_calculate_mamba_ratio`, `allocation_sizing.get_mamba_tracking_slots`):
 3 (the request's state, a copy-on-write source, the state donated to the tree) plus the ping-pong

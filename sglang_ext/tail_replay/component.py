@@ -31,6 +31,10 @@ from sglang_ext.tail_replay.state_order import StateEvictionWalk
 from sglang_ext.tail_replay.tiers import HostTierRules
 
 
+class StateSlotShortfall(RuntimeError):
+    """No state slot for a running request's checkpoint, even after eviction."""
+
+
 class TailReplayMambaComponent(MambaComponent):
     """Mamba component that never limits a match and stores states with their provenance."""
 
@@ -132,9 +136,33 @@ class TailReplayMambaComponent(MambaComponent):
         withheld = not self._stores_state(req, token_ids_len)
         self.cache.request_record(req).state_withheld = withheld
         if not withheld:
-            return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+            try:
+                return super().prepare_for_caching_req(req, insert_params, token_ids_len, is_finished)
+            except StateSlotShortfall:   # a running request's checkpoint finds no slot: it keeps none
+                self.cache.request_record(req).state_withheld = True
         insert_params.mamba_value = None   # the attention KV is still inserted in full
         return token_ids_len
+
+    def _alloc_mamba_slot(self, req: Any = None) -> Any:
+        """SGLang's slot for a running request's checkpoint (the extra buffer donates its tracked
+        state and takes a fresh slot to go on with), evicting first if needed. Where none is left
+        even then (one byte budget under load: every byte held by running requests, which SGLang's
+        admission does not reserve for these slots), `StateSlotShortfall` instead of SGLang's
+        assertion, which kills the scheduler: the checkpoint then keeps no state
+        (`prepare_for_caching_req`). SGLang's lazy extra buffer keeps its own path."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+        from sglang.srt.runtime_context import get_exec
+
+        if get_exec().mamba.enable_mamba_extra_buffer_lazy:
+            return super()._alloc_mamba_slot(req)
+        allocator = self.cache.req_to_token_pool.mamba_allocator
+        slot = allocator.alloc(1)
+        if slot is None:
+            self.cache.evict_for_alloc(EvictParams(num_tokens=0, mamba_num=1))
+            slot = allocator.alloc(1)
+        if slot is None:
+            raise StateSlotShortfall("no state slot for a running request's checkpoint")
+        return slot
 
     def cleanup_after_caching_req(self, req: Any, is_finished: bool, insert_result: Any = None,
                                   insert_params: Any = None) -> None:

@@ -334,3 +334,52 @@ def test_a_shared_state_repair_run_tracks_no_branch_point():
     assert track.finalize(Match(b, 8, 8, mamba_branching_seqlen=4), SimpleNamespace(req=object())) \
         .mamba_branching_seqlen is None
     assert seen == {}
+
+
+# ---------------------------------------------------------------- a running checkpoint without a slot
+
+
+def _component_without_slots(record, evicted: list, frees: int = 0):
+    """A Tail-Replay Mamba component over an extra-buffer cache whose state allocator has no slot
+    (after `frees` evictions, one)."""
+    from sglang_ext.tail_replay.component import TailReplayMambaComponent
+
+    slots = []
+
+    def evict_for_alloc(params):
+        evicted.append(params.mamba_num)
+        if len(evicted) <= frees:
+            slots.append(torch.tensor([5]))
+
+    component = object.__new__(TailReplayMambaComponent)
+    allocator = SimpleNamespace(alloc=lambda n: slots.pop() if slots else None)
+    component.cache = SimpleNamespace(
+        enable_mamba_extra_buffer=True, page_size=1, request_record=lambda req: record, evict_for_alloc=evict_for_alloc,
+        req_to_token_pool=SimpleNamespace(mamba_allocator=allocator, mamba_ckpt_pool=None,
+                                          donate_mamba_ping_pong_slot=lambda req, slot: slot + 100))
+    return component
+
+
+def test_a_running_checkpoint_without_a_state_slot_keeps_no_state_instead_of_killing_the_scheduler():
+    # one byte budget under load: every byte held by running requests; SGLang asserts there
+    from unittest import mock
+
+    from sglang_ext.tail_replay.component import StateSlotShortfall
+
+    lazy_off = SimpleNamespace(mamba=SimpleNamespace(enable_mamba_extra_buffer_lazy=False))
+    record, evicted = TailReplayRequest(CONFIG), []
+    component = _component_without_slots(record, evicted)
+    req = SimpleNamespace(kv=SimpleNamespace(mamba_last_track_seqlen=64))
+    params = SimpleNamespace(mamba_value=torch.tensor([3]))
+    with mock.patch("sglang.srt.runtime_context.get_exec", return_value=lazy_off):
+        with pytest.raises(StateSlotShortfall):
+            component._alloc_mamba_slot(req)
+        assert evicted == [1]                                    # eviction was asked for one state first
+        assert component.prepare_for_caching_req(req, params, 100, False) == 100   # the KV, in full
+        assert params.mamba_value is None and record.state_withheld
+        # a slot freed by the eviction: the tracked state is donated as SGLang does
+        record2, evicted2 = TailReplayRequest(CONFIG), []
+        ok = _component_without_slots(record2, evicted2, frees=1)
+        params2 = SimpleNamespace(mamba_value=None)
+        assert ok.prepare_for_caching_req(req, params2, 100, False) == 64
+        assert int(params2.mamba_value) == 105 and not record2.state_withheld and evicted2 == [1]
