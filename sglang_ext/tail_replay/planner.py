@@ -8,8 +8,9 @@ grid a replayed tail starts on (the page; under SGLang's extra buffer its checkp
 the states the request tracks land where stock's do: `MatchPlanner.start_grid`), and the config.
 Output: a ReplayPlan.
 
-- EXACT_CHECKPOINT:       L - C <= W (or the window's start, cut to the grid, is at most C): start
-                          from the checkpoint's state at C, recompute [C, L).
+- EXACT_CHECKPOINT:       L - C <= W (or, with no approximate checkpoint to take, the window's
+                          start cut to the grid is at most C): start from the checkpoint's state
+                          at C, recompute [C, L).
                           `exactness: "exact_first"` (and "exact"): whenever C exists and the
                           window does not reach the first token (stock SGLang's hit, exact).
 - APPROXIMATE_CHECKPOINT: A deeper than C, L - A <= W, and A's bound no worse than a fresh
@@ -166,8 +167,6 @@ def _plan(matched_len: int, checkpoint_len: int | None, grid: int,
     start = max(matched_len - window, 0) // grid * grid
     if start == 0:   # the window, cut to the grid, reaches the first token: exact
         return ReplayPlan(HitKind.EXACT_REPLAY, matched_len, 0, 0)
-    if checkpoint_len and start <= checkpoint_len:   # the window, cut to the grid, reaches an exact state
-        return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
     if config.strict or (config.exact_first and checkpoint_len):
         # no approximation where an exact state is on the path (exact_first), or at all (exact):
         # the exact checkpoint, recomputing the rest, or nothing
@@ -179,4 +178,6 @@ def _plan(matched_len: int, checkpoint_len: int | None, grid: int,
         if (checkpoint_len or 0) < depth <= matched_len and matched_len - depth <= window \
                 and bound <= fresh_replay_bound(config, window):
             return ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, matched_len, depth, depth)
+    if checkpoint_len and start <= checkpoint_len:   # the window, cut to the grid, reaches an exact state
+        return ReplayPlan(HitKind.EXACT_CHECKPOINT, matched_len, checkpoint_len, checkpoint_len)
     return ReplayPlan(HitKind.APPROXIMATE, matched_len, start, start)

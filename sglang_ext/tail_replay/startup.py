@@ -162,6 +162,10 @@ class PoolFacts:
     kv_cache_dtype: str = "auto"
     #: `--enable-hierarchical-cache`
     hierarchical_cache: bool = False
+    #: where no attention backend is named: whether the one SGLang picks reads the unified pool (on
+    #: an NVIDIA GPU it picks among fa3 / fa4 / flashinfer / triton / trtllm_mha; elsewhere, e.g.
+    #: aiter on ROCm, not known here; the CPU launcher names `torch_native`)
+    picked_backend_admitted: bool = True
 
 
 def unified_memory_default(config: TailReplayConfig, facts: PoolFacts) -> str | None:
@@ -190,6 +194,9 @@ def unified_memory_default(config: TailReplayConfig, facts: PoolFacts) -> str | 
         (facts.speculative_algorithm is not None,
          f"--speculative-algorithm {facts.speculative_algorithm}: speculative decoding with the unified pool "
          "never ran with Tail-Replay"),
+        (not any(facts.attention_backends) and not facts.picked_backend_admitted,
+         "no --attention-backend given, and the one SGLang picks on this platform is not known to read the "
+         f"unified pool (name one of {', '.join(UNIFIED_ATTENTION_BACKENDS)})"),
         (any(b is not None and b not in UNIFIED_ATTENTION_BACKENDS for b in facts.attention_backends),
          f"attention backend {[b for b in facts.attention_backends if b]}: not one that reads the unified pool "
          f"({', '.join(UNIFIED_ATTENTION_BACKENDS)})"),
@@ -218,7 +225,14 @@ def pool_facts_from_server_args(server_args: Any) -> PoolFacts:
                                            flag("linear_attn_prefill_backend") or None),
                      mamba_backend=flag("mamba_backend") or None,
                      kv_cache_dtype=str(flag("kv_cache_dtype") or "auto"),
-                     hierarchical_cache=bool(flag("enable_hierarchical_cache")))
+                     hierarchical_cache=bool(flag("enable_hierarchical_cache")),
+                     picked_backend_admitted=_nvidia_gpu())
+
+
+def _nvidia_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and getattr(torch.version, "hip", None) is None)
 
 
 def apply_unified_memory_default(server_args: Any, config: TailReplayConfig) -> str:

@@ -100,6 +100,8 @@ def test_window_cut_to_the_grid_reaching_an_exact_state_resumes_there():
     assert plan_replay(500, 449, 64, CFG) == ReplayPlan(HitKind.EXACT_CHECKPOINT, 500, 449, 449)
     assert plan_replay(500, 384, 64, CFG) == ReplayPlan(HitKind.APPROXIMATE, 500, 448, 448)
     assert plan_replay(500, 449, 1, CFG) == ReplayPlan(HitKind.APPROXIMATE, 500, 450, 450)
+    # a deeper approximate checkpoint within the window is still taken first (the approximate mode)
+    assert plan_replay(500, 448, 64, CFG, (490, 0.3)) == ReplayPlan(HitKind.APPROXIMATE_CHECKPOINT, 500, 490, 490)
 
 
 @pytest.mark.parametrize(

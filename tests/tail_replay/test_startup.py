@@ -193,6 +193,8 @@ def test_sglangs_rust_server_is_refused_naming_the_variable(monkeypatch, value, 
     (PoolFacts(linear_attn_backends=("cutedsl", None, None)), "linear-attention backend ['cutedsl']"),
     (PoolFacts(linear_attn_backends=(None, "flashkda", None)), "linear-attention backend ['flashkda']"),
     (PoolFacts(mamba_backend="flashinfer"), "--mamba-backend flashinfer"),
+    (PoolFacts(picked_backend_admitted=False), "no --attention-backend given"),
+    (PoolFacts(attention_backends=("triton", None, None), picked_backend_admitted=False), None),
 ])
 def test_one_byte_budget_unless_a_flag_rules_it_out_naming_the_flag(facts, reason):
     why = unified_memory_default(BASE, facts)
@@ -212,17 +214,21 @@ def test_the_default_is_applied_to_sglangs_own_server_args_before_resolution():
     def args(*flags):
         return prepare_server_args(["--model-path", "/nonexistent", "--radix-cache-backend", "tail_replay", *flags])
 
-    plain = args()
-    assert pool_facts_from_server_args(plain) == PoolFacts(attention_backends=(None, None, None),
+    plain = args("--attention-backend", "torch_native")   # what the CPU launcher names
+    assert pool_facts_from_server_args(plain) == PoolFacts(attention_backends=("torch_native", None, None),
                                                           linear_attn_backends=("triton", None, None),
-                                                          mamba_backend="triton")
+                                                          mamba_backend="triton", picked_backend_admitted=False)
     line = apply_unified_memory_default(plain, BASE)
     assert plain.enable_unified_memory is True and line.startswith("Tail-Replay pools: one byte budget")
-    hicache = args("--enable-hierarchical-cache")
+    unnamed = args()   # no backend named, on a machine without an NVIDIA GPU: SGLang's pick is not known
+    assert apply_unified_memory_default(unnamed, BASE).endswith("(name one of triton, fa3, fa4, flashinfer, "
+                                                                 "trtllm_mha, torch_native))")
+    assert unnamed.enable_unified_memory is False
+    hicache = args("--attention-backend", "torch_native", "--enable-hierarchical-cache")
     line = apply_unified_memory_default(hicache, BASE)
     assert hicache.enable_unified_memory is False
     assert line.startswith("Tail-Replay pools: SGLang's static KV and state pools (--enable-hierarchical-cache")
-    sharded = args("--kv-cache-dtype", "fp8_e4m3", "--speculative-algorithm", "EAGLE")
+    sharded = args("--attention-backend", "torch_native", "--kv-cache-dtype", "fp8_e4m3", "--speculative-algorithm", "EAGLE")
     apply_unified_memory_default(sharded, BASE)
     assert sharded.enable_unified_memory is False
     assert "byte_budget eviction" in pools_line(BASE, SimpleNamespace(enable_unified_memory=True))
