@@ -20,6 +20,10 @@ The queue, and what it assumes:
   gaps scaled by 1 / rate every wait grows with the rate, so the share within falls monotonically).
 
     python -m eval.replay.goodput REPORT_DIR [REPORT_DIR ...] [--slo-s 1.0] [--loads 0.5 0.7 0.85]
+
+Every replay's report.json carries the table at the defaults (`modeled_gpu_goodput`, and each
+server row its share: `add_modeled_goodput`); the command recomputes it for a report directory,
+also one written before, with other settings.
 """
 
 from __future__ import annotations
@@ -111,6 +115,8 @@ def goodput_table(services: dict[str, list[float]], baseline: str, *, slo_s: flo
     out: dict = {"slo_s": slo_s, "within": within, "loads": list(loads), "seed": seed, "baseline": baseline,
                  "baseline_mean_service_s": base_mean, "servers": {}}
     for name, times in services.items():
+        if not times:   # a server that answered nothing has no queue to model
+            continue
         mean = sum(times) / len(times)
         rows = []
         for load in loads:
@@ -143,6 +149,19 @@ def _records(directory: Path, index: int, server: str) -> list[dict]:
     raise FileNotFoundError(f"{directory}: no requests-{index}-{server}.jsonl(.gz)")
 
 
+def services_from(rows: Sequence[dict], per_server: dict[str, Sequence[dict]], spec: dict) -> dict[str, list[float]]:
+    """Each server's modeled GPU service times (s): its answered requests' modeled prefill under the
+    report's GPU model (`spec`: report.json's `gpu_model`) plus its row's CPU term."""
+    model, device = real_model(spec["model"]), gpu(spec["gpu"])
+    scale = spec.get("real_tokens_per_replayed_token", 1.0)
+    services = {}
+    for row in rows:
+        modeled = row.get("modeled_gpu_ttft_s") or {}
+        cpu_s = (modeled.get("cpu_beyond_baseline_ms") or 0.0) / 1e3
+        services[row["server"]] = modeled_ttfts(per_server[row["server"]], model, device, spec["efficiency"], cpu_s, scale)
+    return services
+
+
 def report_services(directory: Path) -> tuple[dict[str, list[float]], str]:
     """Each server's modeled GPU service times (s) from a replay report directory (report.json's GPU
     model and each row's CPU term, the per-request files' tokens), and the baseline's name."""
@@ -150,16 +169,26 @@ def report_services(directory: Path) -> tuple[dict[str, list[float]], str]:
     spec = report.get("gpu_model")
     if not spec:
         raise ValueError(f"{directory}/report.json has no gpu_model (run the replay with a GPU model)")
-    model, device = real_model(spec["model"]), gpu(spec["gpu"])
-    scale = spec.get("real_tokens_per_replayed_token", 1.0)
-    services = {}
-    for index, row in enumerate(report["servers"]):
-        modeled = row.get("modeled_gpu_ttft_s") or {}
-        cpu_s = (modeled.get("cpu_beyond_baseline_ms") or 0.0) / 1e3
-        records = _records(directory, index, row["server"])
-        services[row["server"]] = modeled_ttfts(records, model, device, spec["efficiency"], cpu_s, scale)
+    per_server = {row["server"]: _records(directory, index, row["server"]) for index, row in enumerate(report["servers"])}
     baseline = spec.get("baseline") or report["servers"][0]["server"]
-    return services, baseline
+    return services_from(report["servers"], per_server, spec), baseline
+
+
+def add_modeled_goodput(rows: list[dict], per_server: dict[str, Sequence[dict]], spec: dict,
+                        baseline: str | None) -> dict | None:
+    """The replay's own goodput table at the defaults (report.json's `modeled_gpu_goodput`), and
+    each row's share of it (`modeled_gpu_goodput`: goodput x the baseline's at each load, the
+    highest rate within the SLO); None without a baseline that answered. Mutates `rows` only."""
+    services = services_from(rows, per_server, spec)
+    if baseline is None or not services.get(baseline):
+        return None
+    table = goodput_table(services, baseline)
+    for row in rows:
+        mine = table["servers"].get(row["server"])
+        row["modeled_gpu_goodput"] = None if mine is None else {
+            "slo_s": table["slo_s"], "loads": table["loads"], "goodput_x_baseline": mine["goodput_x_baseline"],
+            "max_rate_within_slo_per_s": mine["max_rate_within_slo_per_s"]}
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> None:

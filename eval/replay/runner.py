@@ -20,6 +20,7 @@ from eval.replay.bound import ideal_curve, lru_curve
 from eval.replay.budget import GIB, Split, equal_bytes_specs
 from eval.replay.client import replay_requests, warm_and_flush
 from eval.replay.cluster import ClusterProcess, server_pids, server_worker_urls
+from eval.replay.goodput import add_modeled_goodput
 from eval.replay.gpu_model import add_modeled_ttft
 from eval.replay.inputs import ReplayError, load_trace, resolve_model
 from eval.replay.metrics import background_runs, prompt_tokens_served, router_counters, server_pools
@@ -225,6 +226,7 @@ def run(args) -> dict:
             row["same_output"] = same_outputs(per_server[row["server"]], per_server[args.reference])
     cpu_baseline = args.baseline or next((s.label for s in specs if s.kind == "stock"), None)
     gpu_model = add_modeled_ttft(rows, per_server, cpu_baseline, args.gpu_model, args.gpu, scale)
+    goodput = add_modeled_goodput(rows, per_server, gpu_model, cpu_baseline)
     argv = getattr(args, "argv", None)
     command = "python -m eval.replay " + shlex.join(argv) if argv is not None else shlex.join(sys.argv)
     report = {"command": command, "trace": trace_info,
@@ -233,7 +235,7 @@ def run(args) -> dict:
               "model": str(model), "start_load": start_load.as_dict(),
               "references": {"ideal_tokens": refs["ideal"].total, "lru_bound_tokens": refs["lru"].total,
                              "lru_capacity_tokens": lru_capacity},
-              "gpu_model": gpu_model, "servers": rows}
+              "gpu_model": gpu_model, "modeled_gpu_goodput": goodput, "servers": rows}
     (args.out / "report.json").write_text(json.dumps(report, indent=2))
     (args.out / "report.md").write_text(report_markdown(report))
     ttfts = {r["server"]: [x["ttft_s"] for x in per_server[r["server"]] if x["ok"]]

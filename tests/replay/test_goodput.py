@@ -8,6 +8,7 @@ import json
 import pytest
 
 from eval.replay.goodput import (
+    add_modeled_goodput,
     arrivals_at,
     fcfs_ttfts,
     goodput_table,
@@ -75,3 +76,19 @@ def test_a_report_directory_gets_its_goodput_json(tmp_path, capsys):
     assert out["command"].startswith(f"python -m eval.replay.goodput {tmp_path} --slo-s 2 --loads 0.5")
     assert out["servers"]["tr"]["mean_service_s"] != out["servers"]["stock"]["mean_service_s"]
     assert "max rate within SLO" in capsys.readouterr().out
+
+
+def test_the_replay_report_carries_each_servers_goodput():
+    spec = {"model": "qwen3-next-80b-a3b", "gpu": "h100-sxm", "efficiency": 0.5, "real_tokens_per_replayed_token": 64.0}
+    rows = [{"server": "stock", "modeled_gpu_ttft_s": {"cpu_beyond_baseline_ms": 0.0}},
+            {"server": "tr", "modeled_gpu_ttft_s": {"cpu_beyond_baseline_ms": 0.0}},
+            {"server": "dead", "modeled_gpu_ttft_s": None}]
+    answered = [{"ok": True, "prompt_tokens": 200, "cached_tokens": c} for c in (0, 100, 150, 190)]
+    per_server = {"stock": answered, "tr": [dict(r, cached_tokens=min(199, r["cached_tokens"] + 40)) for r in answered],
+                  "dead": [{"ok": False, "prompt_tokens": 200, "cached_tokens": 0}]}
+    table = add_modeled_goodput(rows, per_server, spec, "stock")
+    assert set(table["servers"]) == {"stock", "tr"} and rows[2]["modeled_gpu_goodput"] is None
+    assert rows[0]["modeled_gpu_goodput"]["goodput_x_baseline"] == [1.0, 1.0, 1.0]
+    assert all(x >= 1.0 for x in rows[1]["modeled_gpu_goodput"]["goodput_x_baseline"])   # reused more
+    assert add_modeled_goodput(rows, per_server, spec, None) is None
+    assert add_modeled_goodput(rows, per_server, spec, "dead") is None

@@ -56,6 +56,9 @@ def test_live_replay_stock_vs_tail_replay(tmp_path, tiny_model_factory):
 
     rows = {r["server"]: r for r in report["servers"]}
     assert list(rows) == ["stock", "tail_replay"]
+    # the modeled GPU goodput at the SLO, per server, against the first stock server's
+    assert set(report["modeled_gpu_goodput"]["servers"]) == {"stock", "tail_replay"}
+    assert rows["stock"]["modeled_gpu_goodput"]["goodput_x_baseline"] == [1.0, 1.0, 1.0]
     for label, row in rows.items():
         records = [json.loads(line) for line in
                    (out / f"requests-{list(rows).index(label)}-{label}.jsonl").read_text().splitlines()]
