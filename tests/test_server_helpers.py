@@ -167,3 +167,13 @@ def test_a_callers_environment_wins_over_the_quiet_stop_default(tmp_path, monkey
         assert _wait_for(tmp_path / "c.json")["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
     finally:
         server.stop()
+
+
+def test_a_taken_port_is_read_from_uvicorns_log_and_from_sglangs_routers():
+    from sglang_ext.cluster.net import port_taken
+
+    assert port_taken("ERROR: [Errno 98] error while attempting to bind on address ('127.0.0.1', 1): address already in use")
+    assert port_taken("Error starting router: Failed to bind the HTTP listener on 127.0.0.1:1: "
+                      "Address already in use (os error 98)")
+    assert not port_taken("Failed to bind the HTTP listener on 127.0.0.1:1: Permission denied")
+    assert not port_taken("Uvicorn running on http://127.0.0.1:1")

@@ -62,6 +62,9 @@ class ClusterSpec:
     #: says otherwise (`--metrics-host`): its cache-aware match ratios are keyed by request text,
     #: not tenant, so whoever reads them learns what other tenants' prompts begin with
     metrics_host: str = LOOPBACK
+    #: the router's and its metrics' ports were picked here (`--port 0`, no `--metrics-port`): a
+    #: router whose port was taken before it bound is started again on fresh ones
+    router_ports_picked: bool = False
 
     def worker_urls(self) -> list[str]:
         return [f"http://{self.host}:{p}" for p in self.worker_ports]
@@ -202,4 +205,5 @@ def parse_cluster_args(argv: Sequence[str]) -> ClusterSpec:
     storage_dir = Path(ns.storage_dir or Path(ns.log_dir) / "storage") if ns.storage == "file" else None
     return ClusterSpec(ns.workers, ns.policy, ns.host, port, tuple(worker_args), Path(ns.log_dir),
                        tuple(ns.router_arg), ports, metrics_port, ns.gpus_per_worker, ns.storage, storage_dir,
-                       mooncake_ports, ns.storage_segment_mb, ns.metrics_host)
+                       mooncake_ports, ns.storage_segment_mb, ns.metrics_host,
+                       router_ports_picked=not ns.port and not ns.metrics_port)

@@ -26,8 +26,10 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def port_taken(log: str) -> bool:
-    """Whether a server's log says uvicorn could not bind its HTTP port."""
-    return "error while attempting to bind" in log and "address already in use" in log
+    """Whether a server's log says it could not bind its port (uvicorn's message, or SGLang's
+    router's: smg's "Failed to bind the HTTP listener ... Address already in use")."""
+    return (("error while attempting to bind" in log and "address already in use" in log)
+            or ("Failed to bind" in log and "Address already in use" in log))
 
 
 def listens_on(pid: int, port: int) -> bool:

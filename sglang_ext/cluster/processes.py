@@ -123,9 +123,23 @@ class Cluster:
 
     def _wait_router(self, deadline: float) -> None:
         """The router answers /health before it has registered its workers: ready once it lists
-        them all (`GET /workers`)."""
+        them all (`GET /workers`). A router whose ports were picked here (`router_ports_picked`)
+        and taken before it bound them is started again on fresh ones, up to PORT_RETRIES times."""
         assert self.router is not None
-        self._wait(self.spec.url + "/health", deadline, f"router ({self.spec.url})", self.router, "router.log")
+        for attempt in range(PORT_RETRIES + 1):
+            try:
+                self._wait(self.spec.url + "/health", deadline, f"router ({self.spec.url})", self.router, "router.log",
+                           port=self.spec.port)
+                break
+            except _PortTaken:
+                _stop_group(self.router)
+                if not self.spec.router_ports_picked or attempt == PORT_RETRIES:
+                    raise RuntimeError(f"router: its port {self.spec.port} (or metrics port {self.spec.metrics_port}) "
+                                       f"was taken; log: {self.spec.log_dir / 'router.log'}") from None
+                taken = {*self.spec.worker_ports, *self.spec.mooncake_ports, self.spec.port, self.spec.metrics_port}
+                port, metrics_port = [p for p in free_ports(len(taken) + 2, self.spec.host) if p not in taken][:2]
+                self.spec = dataclasses.replace(self.spec, port=port, metrics_port=metrics_port)
+                self.router = self._spawn(self.spec.router_command(), "router.log")
         while time.monotonic() < deadline:
             if self.router.poll() is not None:
                 raise RuntimeError(f"router exited with code {self.router.returncode}; log: {self.spec.log_dir / 'router.log'}")

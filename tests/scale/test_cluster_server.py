@@ -30,7 +30,7 @@ from sglang_ext.cluster import free_port
 
 CONVERSATIONS, TURNS, FIRST, STEP, NEW = 4, 3, 200, 60, 4
 READY = re.compile(r"router (http://\S+) \(policy (\S+)\) -> workers (.+); logs in .*; storage: Mooncake store, "
-                   r"master 127.0.0.1:(\d+) \(metrics port (\d+)\)")
+                   r"master 127.0.0.1:(\d+) \(metrics port (\d+)\); router metrics on 127.0.0.1:(\d+)")
 PROMPT_TOKENS = re.compile(r"^sglang:prompt_tokens_total\{[^}]*\} (\S+)$", re.M)
 
 
@@ -48,9 +48,11 @@ def _kill_listeners(ports: list[int]) -> None:
 @pytest.fixture(scope="module")
 def cluster(tiny_model_factory, tmp_path_factory):
     logs = tmp_path_factory.mktemp("cluster_logs")
-    router_port, metrics_port, w0, w1 = (free_port() for _ in range(4))
+    w0, w1 = free_port(), free_port()
+    # the router's ports are the cluster's to pick (`--port 0`): one taken before the router binds it
+    # (by another server started beside it) is replaced, as a worker's is
     command = [sys.executable, "-m", "sglang_ext", "cluster", "--workers", "2", "--policy", "cache_aware",
-               "--port", str(router_port), "--metrics-port", str(metrics_port), "--worker-ports", f"{w0},{w1}",
+               "--port", "0", "--worker-ports", f"{w0},{w1}",
                "--log-dir", str(logs), "--storage", "mooncake", "--storage-segment-mb", "64",
                "--", "--model-path", str(tiny_model_factory("qwen3-next")),
                "--radix-cache-backend", "tail_replay", "--dtype", "float32"]
@@ -59,7 +61,7 @@ def cluster(tiny_model_factory, tmp_path_factory):
     squatter.bind(("127.0.0.1", w1))
     squatter.listen()
     proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    ports = [router_port, w0, w1]
+    ports = [w0, w1]
     try:
         deadline, match = time.monotonic() + 600, None
         while match is None:
@@ -69,7 +71,8 @@ def cluster(tiny_model_factory, tmp_path_factory):
             match = READY.search((logs / "command.log").read_text())
         squatter.close()
         workers = match.group(3).split(", ")
-        ports += [int(url.rsplit(":", 1)[1]) for url in workers]
+        metrics_port = int(match.group(6))
+        ports += [int(url.rsplit(":", 1)[1]) for url in [*workers, match.group(1)]] + [metrics_port]
         master = (int(match.group(4)), int(match.group(5)))
         ports += list(master)
         yield {"proc": proc, "url": match.group(1), "policy": match.group(2), "workers": workers,
