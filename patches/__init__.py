@@ -31,6 +31,8 @@ logits of audited requests, their exact reference runs sent by the tokenizer pro
 row goes to the session), `tail_replay/disagg` (PD disaggregation: the prefill server's answer
 label carried to the decode server in one more metadata buffer), `tail_replay/pressure` (`exact_unless_pressed`: the first rank stamps each
 request with the pressure decision before SGLang broadcasts it to the other ranks),
+`tail_replay/in_batch` (SGLang's in-batch prefix caching over Tail-Replay's plans: a waiting
+request whose hit is shallower than what a request ahead will leave in the tree waits a round),
 `linearkv/request` (LinearKV: chunks found and registered on arrival), `linearkv/prepass`
 (LinearKV: EPIC's chunk heads recomputed in the worker before the question's forward),
 `linearkv/admission` (LinearKV: every admission round's state slots budgeted, loads included),
@@ -84,7 +86,7 @@ EXT_PATCHES: tuple[str, ...] = (
     "tail_replay.batch", "tail_replay.attention", "tail_replay.prefill_graph", "tail_replay.forward_scope",
     "tail_replay.linear_bound",
     "tail_replay.meta", "tail_replay.audit", "tail_replay.repair", "shared.ipc_json", "tail_replay.request",
-    "tail_replay.pressure", "tail_replay.session", "shared.session_tenancy", "tail_replay.sizing",
+    "tail_replay.pressure", "tail_replay.in_batch", "tail_replay.session", "shared.session_tenancy", "tail_replay.sizing",
     "tail_replay.pages", "tail_replay.host_pools", "shared.request_token_ids", "linearkv.request",
     "linearkv.prepass", "linearkv.admission", "sae.policy", "sae.tree_core", "sae.cache_events",
     "sae.full_eviction", "sae.state_eviction", "sae.request", "sae.chat", "shared.mamba_conv_dtype",

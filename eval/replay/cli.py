@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server specs: [LABEL=]KIND[:JSON] [SGLANG ARGS...], KIND stock or tail_replay; "
                         "e.g. stock 'tail_replay:{\"keep_checkpoints\": false}' "
                         "'lfu=stock --radix-eviction-policy lfu'")
+    p.add_argument("--server-env", nargs=2, action="append", default=[], metavar=("LABEL", "NAME=VALUE"),
+                   help="an environment variable for one server spec only (repeatable), e.g. "
+                        "--server-env stock_py SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python: stock on SGLang's "
+                        "Python tree core, the one Tail-Replay's components run on")
     p.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
                    help="sglang serve arguments for every server (shell-quoted)")
     p.add_argument("--baseline", default=None,

@@ -53,6 +53,21 @@ def _slug(label: str, i: int) -> str:
     return f"{i}-{re.sub(r'[^A-Za-z0-9_.+-]+', '_', label).strip('_')[:60]}"
 
 
+def server_envs(pairs: list[list[str]], specs: list[ServerSpec]) -> dict[str, dict[str, str]]:
+    """`--server-env LABEL NAME=VALUE` pairs -> {label: {name: value}}; a label no spec has, or a
+    pair without `NAME=`, is a ReplayError naming it."""
+    labels, envs = {spec.label for spec in specs}, {}
+    for label, assignment in pairs:
+        name, eq, value = assignment.partition("=")
+        if label not in labels:
+            raise ReplayError(f"--server-env {label} {assignment}: no server spec is labelled {label!r} "
+                              f"(labels: {', '.join(sorted(labels))})")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ReplayError(f"--server-env {label} {assignment}: expected NAME=VALUE")
+        envs.setdefault(label, {})[name] = value
+    return envs
+
+
 def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, refs, args, trace_info,
                split: Split | None = None) -> tuple[dict, list[dict]]:
     """Warm, flush, sample the load, replay; the server's summary row and its request records
@@ -100,7 +115,10 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
             rec["ttft_s"] = rec["latency_s"] = None
     timing = {"wall_s": wall, "machine_load": load.as_dict(), "other_cpu_percent_during": other_during,
               "busy": busy, "timings_withheld": withheld, "server_threads": threads,
-              "server_env": {k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
+              "server_env": {**{k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
+                             **{name: value for label, (name, _, value) in
+                                ((label, a.partition("=")) for label, a in getattr(args, "server_env", []))
+                                if label == spec.label}},
               "launch_args": spec.launch_args(_common_args(args, split)),
               "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
               "worker_prompt_tokens": worker_tokens, "background_runs": background,
@@ -193,7 +211,11 @@ def run(args) -> dict:
     sequences = [r.tokens for r in scaled]
     refs = {"ideal": ideal_curve(sequences), "lru": lru_curve(sequences, lru_capacity)}
     model = resolve_model(args)
+    envs = server_envs(args.server_env, specs)
     if args.workers > 1:
+        if envs:
+            raise ReplayError("--server-env applies to single servers; with --workers > 1 set the variable for "
+                              "the whole replay")
         from sglang_ext.cluster import ROUTER_POLICIES, router_available
 
         if args.router_policy not in ROUTER_POLICIES:
@@ -205,7 +227,7 @@ def run(args) -> dict:
                        for i, spec in enumerate(specs)]
     else:
         procs = [ServerProcess(str(model), spec.launch_args(_common_args(args, splits[i])),
-                               log_path=args.out / f"server-{_slug(spec.label, i)}.log")
+                               log_path=args.out / f"server-{_slug(spec.label, i)}.log", env=envs.get(spec.label, {}))
                  for i, spec in enumerate(specs)]
     rows, per_server = [], {}
     groups = [list(range(len(specs)))] if args.boot == "together" else [[i] for i in range(len(specs))]

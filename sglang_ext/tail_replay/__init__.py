@@ -42,6 +42,9 @@ A request's route (SGLang 0.5.23), seam by seam:
    approximate checkpoint, approximate, miss), sets the request's carry and read floor, stores the plan and, for
    `kv_mode` "exact", the tree's KV slots of the replayed tail in the record, and sets SGLang's
    prefix length; `TailReplayMambaComponent` lets the match run as deep as the attention KV.
+   Waiting requests are matched each scheduling round; `patches/tail_replay/in_batch.py` keeps
+   SGLang's in-batch prefix caching working over plans (`waits_for_sibling`: a request whose hit
+   is shallower than what a request ahead will leave in the tree waits a round).
    (`patches/tail_replay/sizing.py` and `patches/tail_replay/pages.py` size the state pool and
    allow pages > 1 for this backend at start-up.)
 3. request record -> forward. `patches/tail_replay/batch.py` (`ForwardBatch.init_new`) reads
@@ -130,6 +133,7 @@ from sglang_ext.tail_replay.config import (
     with_model_profile,
 )
 from sglang_ext.tail_replay.decay_profile import PERCENTILES
+from sglang_ext.tail_replay.in_batch import waits_for_sibling
 from sglang_ext.tail_replay.label_transfer import ROW_WORDS, decode_side_label, encode_label, merge_labels
 from sglang_ext.tail_replay.linear_kinds import (
     BoundHook,
@@ -227,7 +231,7 @@ __all__ = [
     "TailReplayConfigError", "config_from_dict", "parse_config", "request_overrides", "server_config",
     "BACKGROUND_PARAM_KEY", "background_mark", "check_request",
     "with_overrides", "user_settings", "with_model_profile", "AUTO", "PERCENTILES",
-    "HitKind", "ReplayPlan", "plan_replay", "replay_window",
+    "HitKind", "ReplayPlan", "plan_replay", "replay_window", "waits_for_sibling",
     "PRESSURE_PARAM_KEY", "LoadSample", "PressurePolicy", "pressed_by", "stamp",
     "RECORD_ATTR", "KIND_ASSEMBLED", "KIND_UNTRACKED", "TailReplayRequest", "attach", "plan_of", "record_of", "CarrySegments", "carry_segments",
     "META_KEY", "is_recording_rank", "plan_summary", "record_bound", "record_first_forward", "record_plan",

@@ -140,3 +140,21 @@ def test_spec_flags_reach_the_split():
     spec = parse_server_spec("stock --mamba-radix-cache-strategy no_buffer --mamba-full-memory-ratio 0.5")
     (_, split), = equal_bytes_specs([spec], [], QWEN3_NEXT, BUDGET, 1, [4])
     assert split.state_slots == 17 and "no_buffer" in split.rule and "0.5" in split.rule
+
+
+def test_server_env_goes_to_its_spec_only_and_bad_ones_are_named():
+    from eval.replay.runner import server_envs
+    from eval.replay.servers import parse_server_specs
+
+    specs = parse_server_specs(["stock", "stock_py=stock", "tail_replay"])
+    args = build_parser().parse_args(["--out", "/tmp/unused", "--server-env", "stock_py",
+                                      "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python",
+                                      "--server-env", "stock_py", "A=b=c"])
+    assert server_envs(args.server_env, specs) == {
+        "stock_py": {"SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python", "A": "b=c"}}
+    with pytest.raises(ReplayError, match="no server spec is labelled 'tr'"):
+        server_envs([["tr", "A=1"]], specs)
+    with pytest.raises(ReplayError, match="expected NAME=VALUE"):
+        server_envs([["stock", "A"]], specs)
+    with pytest.raises(ReplayError, match="expected NAME=VALUE"):
+        server_envs([["stock", "1A=x"]], specs)
