@@ -1,8 +1,10 @@
 """The replay's client: each request streamed to a server (greedy, `--new-tokens` output tokens),
-at most `--concurrency` in flight, and the warm-up and flush before a server's replay."""
+at most `--concurrency` in flight, arriving in the trace's order, and the warm-up and flush before
+a server's replay."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,17 +30,30 @@ def request_custom_params(req: ScaledRequest) -> dict:
 def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, concurrency: int,
                     desc: str, typed: bool = False, session_ids: bool = False,
                     router_metrics: str | None = None) -> tuple[list[dict], float]:
-    """Send every request (at most `concurrency` in flight, submitted in order); records in
-    request order and the wall time from the first send to the last answer. `router_metrics`:
+    """Send every request (at most `concurrency` in flight); records in request order and the wall
+    time from the first send to the last answer. Requests arrive in order: each is posted once the
+    server accepted the one before it (its response headers came back), so which of two requests
+    sent together reaches the scheduler first does not depend on the client's thread timing (a
+    conversation's next turn, sent while its previous one runs, never overtakes it; without this a
+    server could see the trace in a different order than the server it is compared with).
+    `router_metrics`:
     the router's Prometheus URL; one request at a time, each record gets the router's decision
     for it (`router`: its predicted match ratio and branch, eval/replay/router.py)."""
     per_request = router_metrics is not None and concurrency == 1
 
-    def one(req: ScaledRequest) -> dict:
-        before = router_counters(router_metrics) if per_request else None
-        resp = stream_generate(url, list(req.tokens), new_tokens,
-                               custom_params=request_custom_params(req) if typed else None,
-                               session_id=f"conversation-{req.session}" if session_ids and req.session >= 0 else None)
+    accepted = [threading.Event() for _ in requests]
+
+    def one(i: int, req: ScaledRequest) -> dict:
+        if i:
+            accepted[i - 1].wait()
+        try:
+            before = router_counters(router_metrics) if per_request else None
+            resp = stream_generate(url, list(req.tokens), new_tokens,
+                                   custom_params=request_custom_params(req) if typed else None,
+                                   session_id=f"conversation-{req.session}" if session_ids and req.session >= 0 else None,
+                                   on_accepted=accepted[i].set)
+        finally:
+            accepted[i].set()   # refused or failed: the next one goes
         details = (resp.meta_info.get("cached_tokens_details") or {}) if resp.ok else {}
         rec = {"index": req.index, "session": req.session, "prompt_tokens": len(req.tokens),
                "ok": resp.ok, "error": resp.error,
@@ -53,7 +68,7 @@ def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, co
     bar = tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [pool.submit(one, req) for req in requests]
+        futures = [pool.submit(one, i, req) for i, req in enumerate(requests)]
         for i, future in enumerate(futures):
             records[i] = future.result()
             bar.update(1)

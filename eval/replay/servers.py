@@ -18,6 +18,7 @@ import json
 import re
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import requests
@@ -110,11 +111,14 @@ class Response:
 
 
 def stream_generate(url: str, input_ids: list[int], new_tokens: int, timeout_s: float = 1800.0,
-                    custom_params: dict | None = None, session_id: str | None = None) -> Response:
+                    custom_params: dict | None = None, session_id: str | None = None,
+                    on_accepted: Callable[[], None] | None = None) -> Response:
     """POST /generate with streaming and greedy decoding; never raises for HTTP or protocol
     errors (they come back as `ok=False` with the reason). `custom_params`: sent as
     `sampling_params.custom_params` (e.g. SAE's token_types and session); `session_id`: SGLang's
-    top-level session id (its session radix cache reads it)."""
+    top-level session id (its session radix cache reads it); `on_accepted`: called once the server
+    has answered the POST with its response headers (the request is in the server's hands), before
+    the stream is read."""
     payload = {"input_ids": list(input_ids), "stream": True,
                "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}}
     if custom_params:
@@ -125,6 +129,8 @@ def stream_generate(url: str, input_ids: list[int], new_tokens: int, timeout_s: 
     ttft, last = None, None
     try:
         with requests.post(f"{url}/generate", json=payload, stream=True, timeout=timeout_s) as resp:
+            if on_accepted is not None:
+                on_accepted()
             if resp.status_code != 200:
                 return Response(False, None, None, {}, error=f"HTTP {resp.status_code}: {resp.text[:300]}")
             for line in resp.iter_lines():

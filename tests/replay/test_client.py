@@ -18,6 +18,7 @@ from eval.replay.tokens import ScaledRequest
 class _Handler(BaseHTTPRequestHandler):
     in_flight = 0
     max_in_flight = 0
+    arrivals: list[int] = []    # first input id of each /generate, in the order the server read them
     lock = threading.Lock()
 
     def log_message(self, *args):
@@ -36,6 +37,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         ids = body["input_ids"]
+        with _Handler.lock:
+            _Handler.arrivals.append(ids[0])
         if ids[0] == 0:
             self.send_response(400)
             self.end_headers()
@@ -65,6 +68,7 @@ class _Handler(BaseHTTPRequestHandler):
 @pytest.fixture()
 def fake_server():
     _Handler.in_flight = _Handler.max_in_flight = _Handler.flushes = _Handler.flush_refusals = 0
+    _Handler.arrivals = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -93,6 +97,16 @@ def test_concurrency_limit_and_record_order(fake_server):
     assert records[4]["cached_tokens"] == 0 and records[4]["ttft_s"] is None
     assert records[8]["prompt_tokens"] == 10 and records[8]["cached_tokens"] == 5
     assert wall < 9 * 0.1   # overlapped, not one at a time
+    # they reached the server in the trace's order, the refused one included
+    assert _Handler.arrivals == [i + 1 if i != 4 else 0 for i in range(9)]
+
+
+def test_requests_sent_together_arrive_in_order(fake_server):
+    """Eight threads start at once; each request waits until the server accepted the one before."""
+    reqs = [ScaledRequest(i, 0.0, i, 1, (i + 1,) * 64) for i in range(24)]
+    records, _ = replay_requests(fake_server, reqs, new_tokens=1, concurrency=8, desc="t")
+    assert all(r["ok"] for r in records) and _Handler.max_in_flight >= 2
+    assert _Handler.arrivals == [i + 1 for i in range(24)]
 
 
 def test_flush_cache_retries_while_the_server_refuses_then_names_the_refusal(fake_server):
