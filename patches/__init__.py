@@ -38,13 +38,15 @@ request whose hit is shallower than what a request ahead will leave in the tree 
 `linearkv/admission` (LinearKV: every admission round's state slots budgeted, loads included),
 `shared/session_tenancy` (a session belongs to its first turn's cache namespace; a turn from another
 is refused, on every backend).
-Three fixes to SGLang itself ride with them, because they hit GPUs too: `shared/mamba_conv_dtype` (the
+Four fixes to SGLang itself ride with them, because they hit GPUs too: `shared/mamba_conv_dtype` (the
 linear layers' conv-window state in the model's dtype, not a fixed bfloat16, which the `extra_buffer`
 strategy's tracking copy requires), `shared/seeded_sampling` (under `--enable-deterministic-inference`, a
 seeded request samples the same token whether or not another request of its batch filters with
 top-k, top-p or greedy) and `shared/session_storage_prefetch` (a streaming session's turn on a server with
 HiCache's storage tier: the storage prefetch asked the tree about the session slot's stand-in node,
-and the scheduler died).
+and the scheduler died) and `shared/unified_mamba_admission` (under `--enable-unified-memory` with the
+extra buffer, admission reserves a new request's tracking slots too: their bytes come out of the KV
+budget, and the extend's KV allocation failed under memory pressure).
 
 Applying a module twice is a no-op. Spawned SGLang children re-apply from `sglang_ext.env`'s
 `SGLANG_EXT_PATCH_MODE`: under the launcher through `sglang_ext.spawn_main` (imported by every
@@ -90,7 +92,8 @@ EXT_PATCHES: tuple[str, ...] = (
     "tail_replay.pages", "tail_replay.host_pools", "shared.request_token_ids", "linearkv.request",
     "linearkv.prepass", "linearkv.admission", "sae.policy", "sae.tree_core", "sae.cache_events",
     "sae.full_eviction", "sae.state_eviction", "sae.request", "sae.chat", "shared.mamba_conv_dtype",
-    "shared.seeded_sampling", "shared.session_storage_prefetch", "tail_replay.disagg",
+    "shared.seeded_sampling", "shared.session_storage_prefetch", "shared.unified_mamba_admission",
+    "tail_replay.disagg",
 )
 
 _applied: list[str] = []

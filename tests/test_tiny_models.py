@@ -78,3 +78,21 @@ def test_proportioned_fixture_ceiling_is_attention_aware(tiny_model_factory):
     cost = cost_of_checkpoint(tiny_model_factory("qwen3-next", "proportioned"))
     L, n, W = 32768, 128, 1639
     assert L / (2 * (W + n)) < cost.ceiling(L, n, W) < (L + n) / (W + n)
+
+
+@pytest.mark.parametrize(("layout", "real_tokens_per_token"), [("state-rate", 64), ("state-rate-8", 8)])
+def test_state_rate_fixtures_trade_state_for_kv_at_the_real_models_rate(layout, real_tokens_per_token):
+    """A state of the fixture costs the KV of as many of its tokens as a Qwen3-Next-80B state costs
+    real tokens, over the replay's scale (SSM state + conv window per GDN layer; K and V per
+    attention layer, all float32)."""
+    from eval.fixtures.qwen3_next import FULL_ATTENTION_INTERVAL, SHAPES
+    from eval.replay.real_models import MODELS
+
+    s = SHAPES[layout]
+    gdn = s["num_hidden_layers"] - s["num_hidden_layers"] // FULL_ATTENTION_INTERVAL
+    ssm = s["linear_num_value_heads"] * s["linear_key_head_dim"] * s["linear_value_head_dim"]
+    conv = (2 * s["linear_num_key_heads"] * s["linear_key_head_dim"]
+            + s["linear_num_value_heads"] * s["linear_value_head_dim"]) * 3
+    kv = (s["num_hidden_layers"] // FULL_ATTENTION_INTERVAL) * 2 * s["num_key_value_heads"] * s["head_dim"]
+    real = MODELS["qwen3-next-80b-a3b"].slot_in_kv_tokens / real_tokens_per_token
+    assert gdn * (ssm + conv) / kv == pytest.approx(real, rel=0.01)

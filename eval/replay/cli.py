@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-model", default="qwen3-next-80b-a3b",
                    help="modeled GPU TTFT: the model (docs/gpu_ttft_model.md)")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once (1: one at a time)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="open loop instead of --concurrency: requests per second, Poisson arrivals seeded by --seed "
+                        "(the same for every server); each server's report row gets its CPU goodput at --slo-s "
+                        "(--concurrency then only sizes Tail-Replay's running batch in an --equal-bytes-gib split)")
+    p.add_argument("--slo-s", type=float, default=1.0,
+                   help="the TTFT SLO of the CPU goodput of an open-loop replay (default 1 s)")
     p.add_argument("--new-tokens", type=int, default=1, help="greedy output tokens per request")
     p.add_argument("--typed", action="store_true",
                    help="send each request's token-type spans and session (custom_params token_types / "

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
+from eval.replay.goodput import arrivals_at, unit_gaps
 from eval.replay.metrics import router_counters
 from eval.replay.router import one_decision
 from eval.replay.servers import flush_cache, stream_generate
@@ -29,7 +30,8 @@ def request_custom_params(req: ScaledRequest) -> dict:
 
 def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, concurrency: int,
                     desc: str, typed: bool = False, session_ids: bool = False,
-                    router_metrics: str | None = None) -> tuple[list[dict], float]:
+                    router_metrics: str | None = None, rate: float | None = None,
+                    seed: int = 0) -> tuple[list[dict], float]:
     """Send every request (at most `concurrency` in flight); records in request order and the wall
     time from the first send to the last answer. Requests arrive in order: each is posted once the
     server accepted the one before it (its response headers came back), so which of two requests
@@ -38,14 +40,26 @@ def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, co
     server could see the trace in a different order than the server it is compared with).
     `router_metrics`:
     the router's Prometheus URL; one request at a time, each record gets the router's decision
-    for it (`router`: its predicted match ratio and branch, eval/replay/router.py)."""
+    for it (`router`: its predicted match ratio and branch, eval/replay/router.py).
+
+    `rate` (requests/s): open loop instead of `concurrency`. Request i is sent at its Poisson
+    arrival time (exponential gaps of mean 1 / rate, seeded: the same arrivals for every server),
+    whatever is in flight, and its TTFT counts from that time (a send the client could not make
+    on time, `send_lag_s`, counts against the server's TTFT, as a queue would)."""
     per_request = router_metrics is not None and concurrency == 1
+    schedule = arrivals_at(unit_gaps(len(requests), seed), rate) if rate is not None else None
 
     accepted = [threading.Event() for _ in requests]
 
     def one(i: int, req: ScaledRequest) -> dict:
         if i:
             accepted[i - 1].wait()
+        lag = 0.0
+        if schedule is not None:
+            lag = t0 + schedule[i] - time.perf_counter()
+            if lag > 0:
+                time.sleep(lag)
+            lag = max(0.0, time.perf_counter() - (t0 + schedule[i]))
         try:
             before = router_counters(router_metrics) if per_request else None
             resp = stream_generate(url, list(req.tokens), new_tokens,
@@ -58,8 +72,11 @@ def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, co
         rec = {"index": req.index, "session": req.session, "prompt_tokens": len(req.tokens),
                "ok": resp.ok, "error": resp.error,
                "cached_tokens": int(resp.meta_info.get("cached_tokens") or 0) if resp.ok else 0,
-               "tail_replay": details.get(META_KEY), "ttft_s": resp.ttft_s,
-               "latency_s": resp.latency_s, "output_ids": list(resp.output_ids)}
+               "tail_replay": details.get(META_KEY),
+               "ttft_s": None if resp.ttft_s is None else resp.ttft_s + lag,
+               "latency_s": None if resp.latency_s is None else resp.latency_s + lag, "output_ids": list(resp.output_ids)}
+        if schedule is not None:
+            rec["send_lag_s"] = lag
         if before is not None:
             rec["router"] = one_decision(router_counters(router_metrics).since(before))
         return rec
@@ -67,7 +84,7 @@ def replay_requests(url: str, requests: list[ScaledRequest], new_tokens: int, co
     records: list[dict] = [None] * len(requests)  # type: ignore[list-item]
     bar = tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    with ThreadPoolExecutor(max_workers=concurrency if schedule is None else min(len(requests), 1024) or 1) as pool:
         futures = [pool.submit(one, i, req) for i, req in enumerate(requests)]
         for i, future in enumerate(futures):
             records[i] = future.result()

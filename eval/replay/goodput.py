@@ -20,6 +20,16 @@ The queue, and what it assumes:
   gaps scaled by 1 / rate every wait grows with the rate, so the share within falls monotonically).
 
     python -m eval.replay.goodput REPORT_DIR [REPORT_DIR ...] [--slo-s 1.0] [--loads 0.5 0.7 0.85]
+        [--pressure NAME EXACT PRESSED QUEUE_WAIT_S ...]
+
+`--pressure` models `exactness: "exact_unless_pressed"` with a `queue_wait_s` threshold in the same
+queue, from two servers of the report: EXACT (the policy's server never pressed, or any exact one)
+and PRESSED (the same server pressed on every request: each request's plan under pressure, within
+the tolerance). A request arriving while the oldest request still waiting has waited at least
+QUEUE_WAIT_S takes its PRESSED service time, any other its EXACT one: the decision at arrival, from
+the queue, as the live policy's stamp. It assumes a request's reuse in either mode does not depend
+on which mode earlier requests took (the live cache does: an approximate answer stores inexact
+states), so it is a model of the policy's queueing, not of its cache.
 
 Every replay's report.json carries the table at the defaults (`modeled_gpu_goodput`, and each
 server row its share: `add_modeled_goodput`); the command recomputes it for a report directory,
@@ -55,6 +65,29 @@ def fcfs_ttfts(arrivals: Sequence[float], services: Sequence[float]) -> list[flo
     return out
 
 
+def pressure_ttfts(arrivals: Sequence[float], exact: Sequence[float], pressed: Sequence[float],
+                   queue_wait_s: float) -> tuple[list[float], list[bool]]:
+    """`fcfs_ttfts` where each request chooses its service at arrival: `pressed[i]` when the
+    oldest request still waiting then (arrived, not started) has waited at least `queue_wait_s`
+    (0 with nobody waiting, so a threshold of 0 always is, as the live policy's), else `exact[i]`.
+    Returns the TTFTs and which requests were pressed."""
+    starts: list[float] = []
+    arrived: list[float] = []
+    free_at, oldest, ttfts, flags = float("-inf"), 0, [], []
+    for arrival, e, p in zip(arrivals, exact, pressed, strict=True):
+        while oldest < len(starts) and starts[oldest] <= arrival:   # started by now: not waiting
+            oldest += 1
+        waited = arrival - arrived[oldest] if oldest < len(starts) else 0.0   # 0 with nobody waiting, as live
+        is_pressed = waited >= queue_wait_s
+        start = max(arrival, free_at)
+        free_at = start + (p if is_pressed else e)
+        starts.append(start)
+        arrived.append(arrival)
+        ttfts.append(free_at - arrival)
+        flags.append(is_pressed)
+    return ttfts, flags
+
+
 def unit_gaps(n: int, seed: int = SEED) -> list[float]:
     """n exponential gaps of mean 1 (a Poisson process of rate 1), seeded."""
     rng = random.Random(seed)
@@ -77,22 +110,25 @@ def share_within(ttfts: Sequence[float], slo_s: float) -> float:
 
 
 def max_rate_within(services: Sequence[float], gaps: Sequence[float], slo_s: float, within: float,
-                    iterations: int = 60) -> float | None:
+                    iterations: int = 60, queue=None) -> float | None:
     """The largest rate (requests/s) at which `within` of the requests' TTFTs are at most `slo_s`;
     0 when even an empty queue misses it (the services alone exceed the SLO); None when no rate
-    does (all of them arriving at once still meet it: too few requests to tell)."""
+    does (all of them arriving at once still meet it: too few requests to tell). `queue`: the
+    TTFTs at given arrivals (default `fcfs_ttfts` over `services`; the pressure model passes its
+    own, whose unloaded services are `services`)."""
+    ttfts_at = queue or (lambda arrivals: fcfs_ttfts(arrivals, services))
     if share_within(services, slo_s) < within:
         return 0.0
     if not all(s > 0 for s in services):
         raise ValueError("every service time must be > 0")
-    if share_within(fcfs_ttfts([0.0] * len(services), services), slo_s) >= within:
+    if share_within(ttfts_at([0.0] * len(services)), slo_s) >= within:
         return None
     lo, hi = 0.0, len(services) / sum(services)   # the rate that keeps the server busy on average
-    while share_within(fcfs_ttfts(arrivals_at(gaps, hi), services), slo_s) >= within:
+    while share_within(ttfts_at(arrivals_at(gaps, hi)), slo_s) >= within:
         lo, hi = hi, hi * 2
     for _ in range(iterations):
         mid = (lo + hi) / 2
-        if mid > 0 and share_within(fcfs_ttfts(arrivals_at(gaps, mid), services), slo_s) >= within:
+        if mid > 0 and share_within(ttfts_at(arrivals_at(gaps, mid)), slo_s) >= within:
             lo = mid
         else:
             hi = mid
@@ -101,10 +137,11 @@ def max_rate_within(services: Sequence[float], gaps: Sequence[float], slo_s: flo
 
 def goodput_table(services: dict[str, list[float]], baseline: str, *, slo_s: float = DEFAULT_SLO_S,
                   loads: Sequence[float] = DEFAULT_LOADS, within: float = DEFAULT_WITHIN,
-                  seed: int = SEED) -> dict:
+                  seed: int = SEED, pressure: Sequence[tuple[str, str, str, float]] = ()) -> dict:
     """Per server: goodput and TTFT at each load of the baseline's capacity, and the highest rate
     within the SLO (module docstring). `services`: each server's per-request service times in
-    seconds, in trace order."""
+    seconds, in trace order. `pressure`: (name, exact server, pressed server, queue_wait_s) rows
+    of the modeled pressure policy (module docstring; each load's row says `pressed_share`)."""
     if baseline not in services or not services[baseline]:
         raise ValueError(f"no service times for the baseline server {baseline!r}")
     from eval.replay.report import percentile
@@ -128,6 +165,30 @@ def goodput_table(services: dict[str, list[float]], baseline: str, *, slo_s: flo
                          "ttft_p95_s": percentile(ttfts, 95)})
         out["servers"][name] = {"requests": len(times), "mean_service_s": mean, "at_load": rows,
                                 "max_rate_within_slo_per_s": max_rate_within(times, gaps[:len(times)], slo_s, within)}
+    for name, exact_name, pressed_name, wait_s in pressure:
+        exact, pressed = services.get(exact_name), services.get(pressed_name)
+        if not exact or not pressed or len(exact) != len(pressed):
+            raise ValueError(f"--pressure {name}: needs servers {exact_name!r} and {pressed_name!r} of the report "
+                             "with one service time per request each")
+        if name in out["servers"]:
+            raise ValueError(f"--pressure {name}: the report has a server of that name")
+
+        def queue(arrivals, exact=exact, pressed=pressed, wait_s=wait_s):
+            return pressure_ttfts(arrivals, exact, pressed, wait_s)[0]
+
+        rows = []
+        for load in loads:
+            rate = load / base_mean
+            ttfts, flags = pressure_ttfts(arrivals_at(gaps[:len(exact)], rate), exact, pressed, wait_s)
+            served = [p if f else e for e, p, f in zip(exact, pressed, flags)]
+            rows.append({"load": load, "rate_per_s": rate, "utilisation": rate * sum(served) / len(served),
+                         "goodput_per_s": rate * share_within(ttfts, slo_s), "share_within_slo": share_within(ttfts, slo_s),
+                         "ttft_mean_s": sum(ttfts) / len(ttfts), "ttft_p50_s": percentile(ttfts, 50),
+                         "ttft_p95_s": percentile(ttfts, 95), "pressed_share": sum(flags) / len(flags)})
+        out["servers"][name] = {"requests": len(exact), "mean_service_s": sum(exact) / len(exact), "at_load": rows,
+                                "pressure": {"exact": exact_name, "pressed": pressed_name, "queue_wait_s": wait_s},
+                                "max_rate_within_slo_per_s": max_rate_within(exact, gaps[:len(exact)], slo_s, within,
+                                                                             queue=queue)}
     base = out["servers"][baseline]
     for row in out["servers"].values():
         row["goodput_x_baseline"] = [
@@ -200,14 +261,28 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--within", type=float, default=DEFAULT_WITHIN,
                         help="share of requests within the SLO for the highest rate")
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--pressure", nargs=4, action="append", default=[],
+                        metavar=("NAME", "EXACT", "PRESSED", "QUEUE_WAIT_S"),
+                        help="model exact_unless_pressed with a queue_wait_s threshold from two servers of the "
+                             "report (module docstring); repeatable")
     args = parser.parse_args(argv)
+    try:
+        pressure = [(name, exact, pressed, float(wait)) for name, exact, pressed, wait in args.pressure]
+    except ValueError:
+        parser.error(f"--pressure: QUEUE_WAIT_S must be a number of seconds, got {args.pressure}")
+    if any(not (w >= 0) for *_, w in pressure):
+        parser.error("--pressure: QUEUE_WAIT_S must be >= 0")
     for directory in args.reports:
         services, baseline = report_services(directory)
-        table = goodput_table(services, baseline, slo_s=args.slo_s, loads=args.loads, within=args.within,
-                              seed=args.seed)
+        try:
+            table = goodput_table(services, baseline, slo_s=args.slo_s, loads=args.loads, within=args.within,
+                                  seed=args.seed, pressure=pressure)
+        except ValueError as err:
+            parser.error(f"{directory}: {err}")
         table["command"] = "python -m eval.replay.goodput " + " ".join(
             [str(directory), "--slo-s", f"{args.slo_s:g}", "--loads", *(f"{x:g}" for x in args.loads),
-             "--within", f"{args.within:g}", "--seed", str(args.seed)])
+             "--within", f"{args.within:g}", "--seed", str(args.seed),
+             *(f"--pressure {n} {e} {p} {w:g}" for n, e, p, w in pressure)])
         (directory / "goodput.json").write_text(json.dumps(table, indent=1) + "\n")
         print(f"{directory}: SLO {args.slo_s:g} s, loads {args.loads} of {baseline}'s capacity")
         for name, row in table["servers"].items():

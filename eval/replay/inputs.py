@@ -14,6 +14,7 @@ TRACE_NAMES = {
     "mooncake-conversation": ("mooncake", "mooncake/conversation_trace.jsonl.gz"),
     "mooncake-synthetic": ("mooncake", "mooncake/synthetic_trace.jsonl.gz"),
     "kv-cache-tester": ("kv-cache-tester", "kv-cache-tester"),
+    "sharegpt-chat": ("kv-cache-tester", "sharegpt-chat"),   # eval/replay/sharegpt.py, same format
 }
 
 

@@ -269,6 +269,11 @@ def report_markdown(report: dict) -> str:
     if options.get("baseline") or options.get("reference"):
         lines += [comparison_table(report["servers"], options.get("baseline"), options.get("reference")), ""]
     for row in report["servers"]:
+        if row.get("open_loop"):
+            ol = row["open_loop"]
+            lines.append(f"- {row['server']}: open loop at {ol['rate_per_s']:g} requests/s: "
+                         f"{ol['share_within_slo']:.1%} within the {ol['slo_s']:g} s TTFT SLO, CPU goodput "
+                         f"{ol['goodput_per_s']:.2f}/s (client send lag up to {ol['max_send_lag_s'] * 1e3:.0f} ms)")
         if row.get("worker_prompt_tokens"):
             tokens = row["worker_prompt_tokens"]
             lines.append(f"- {row['server']}: prompt tokens per worker (router {row['router_policy']}) "

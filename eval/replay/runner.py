@@ -53,6 +53,19 @@ def _slug(label: str, i: int) -> str:
     return f"{i}-{re.sub(r'[^A-Za-z0-9_.+-]+', '_', label).strip('_')[:60]}"
 
 
+def open_loop_goodput(records: list[dict], rate: float | None, slo_s: float) -> dict | None:
+    """An open-loop replay's CPU goodput: the rate x the share of requests whose TTFT (from their
+    scheduled arrival) is within the SLO, as aiperf's `--goodput time_to_first_token:<ms>`; a failed
+    request or withheld timings count as missed. None for a closed-loop replay."""
+    if rate is None:
+        return None
+    within = sum(1 for r in records if r.get("ok") and r.get("ttft_s") is not None and r["ttft_s"] <= slo_s)
+    lags = [r.get("send_lag_s") or 0.0 for r in records]
+    share = within / len(records) if records else 0.0
+    return {"rate_per_s": rate, "slo_s": slo_s, "share_within_slo": share, "goodput_per_s": rate * share,
+            "max_send_lag_s": max(lags, default=0.0)}
+
+
 def server_envs(pairs: list[list[str]], specs: list[ServerSpec]) -> dict[str, dict[str, str]]:
     """`--server-env LABEL NAME=VALUE` pairs -> {label: {name: value}}; a label no spec has, or a
     pair without `NAME=`, is a ReplayError naming it."""
@@ -93,7 +106,8 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     window = CpuWindow(all_pids + ([sampler.proc.pid] if sampler else [])).start()
     try:
         records, wall = replay_requests(url, scaled, args.new_tokens, args.concurrency, spec.label,
-                                       typed=args.typed, session_ids=args.session_ids, router_metrics=router_metrics)
+                                       typed=args.typed, session_ids=args.session_ids, router_metrics=router_metrics,
+                                       rate=getattr(args, "request_rate", None), seed=args.seed)
         other_during = window.stop()   # while py-spy still runs: its CPU is counted as ours, not as other load
         process_cpu = cpu_per_request(cpu_before, process_cpu_seconds(server.proc.pid), len(scaled)) if single else None
     finally:
@@ -122,7 +136,8 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
               "launch_args": spec.launch_args(_common_args(args, split)),
               "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
               "worker_prompt_tokens": worker_tokens, "background_runs": background,
-              "router_prediction": prediction, "process_cpu_ms_per_request": process_cpu, "server_pools": pools}
+              "router_prediction": prediction, "process_cpu_ms_per_request": process_cpu, "server_pools": pools,
+              "open_loop": open_loop_goodput(records, getattr(args, "request_rate", None), args.slo_s)}
     row = summarize(spec.label, records, refs["ideal"].total, refs["lru"].total, timing)
     if split is not None:
         row["memory_split"] = split.as_dict()
@@ -194,6 +209,11 @@ def run(args) -> dict:
             raise ReplayError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.skip_sessions < 0:
         raise ReplayError(f"--skip-sessions must be >= 0, got {args.skip_sessions}")
+    rate = getattr(args, "request_rate", None)
+    if rate is not None and not (rate > 0 and rate < float("inf")):
+        raise ReplayError(f"--request-rate must be a number of requests per second > 0, got {rate}")
+    if not getattr(args, "slo_s", 1.0) > 0:
+        raise ReplayError(f"--slo-s must be > 0, got {args.slo_s}")
     trace_info, scaled = load_trace(args)
     scale = token_scale(args, trace_info)
     trace_info["real_tokens_per_token"] = scale

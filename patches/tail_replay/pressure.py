@@ -16,7 +16,8 @@ clock or queue for it. A request is stamped once: a later pipeline stage receive
 leaves it so.
 
 The load is SGLang's own: the waiting queue (`Scheduler.waiting_queue`: requests and their prompt
-tokens), plus the requests pulled before it in the same poll, and the pool use SGLang reports
+tokens, and how long its oldest request has waited, from SGLang's queue-entry stamps), plus the
+requests pulled before it in the same poll, and the pool use SGLang reports
 (`pool_stats_observer.get_pool_stats()`: `full_token_usage`, `mamba_usage`). It is read once per
 poll that brings a generate request, not on empty polls. The decision is the request's arrival's:
 a request that then waits in the queue keeps it (documented staleness).
@@ -28,6 +29,7 @@ in the tokenizer process (`patches/tail_replay/request.py`), before the request 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -63,6 +65,14 @@ def stamp_arrivals(reqs: Iterable[Any], policy: PressurePolicy, load: Callable[[
     return ahead
 
 
+def oldest_wait_s(queue: Iterable[Any], now: float) -> float:
+    """How long the oldest request of a waiting queue has waited (seconds, from SGLang's
+    `time_stats.wait_queue_entry_time`, a `time.perf_counter` stamp; unstamped ones, 0, skipped);
+    0 for an empty queue."""
+    entries = [t for r in queue if (t := r.time_stats.wait_queue_entry_time) > 0.0]
+    return max(0.0, now - min(entries)) if entries else 0.0
+
+
 def scheduler_load(scheduler: Any) -> LoadSample:
     """The load a scheduler reports now: its waiting queue and its pools' use (SGLang's figures)."""
     from sglang_ext.tail_replay import LoadSample
@@ -71,7 +81,8 @@ def scheduler_load(scheduler: Any) -> LoadSample:
     queue = scheduler.waiting_queue
     return LoadSample(num_queue_reqs=len(queue), num_queue_tokens=sum(len(r.origin_input_ids) for r in queue),
                       token_usage=float(stats.full_token_usage),
-                      mamba_usage=None if stats.mamba_usage is None else float(stats.mamba_usage))
+                      mamba_usage=None if stats.mamba_usage is None else float(stats.mamba_usage),
+                      queue_wait_s=oldest_wait_s(queue, time.perf_counter()))
 
 
 def _generate_reqs(recv_reqs: Iterable[Any]) -> Iterable[Any]:

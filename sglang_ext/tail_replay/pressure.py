@@ -3,9 +3,14 @@
 The operator sets thresholds on the load SGLang reports (config key `pressure`, server only):
 
     {"exactness": "exact_unless_pressed",
-     "pressure": {"num_queue_reqs": 8, "num_queue_tokens": 32768, "token_usage": 0.9,
-                  "mamba_usage": 0.9, "tolerance": 0.01}}
+     "pressure": {"queue_wait_s": 0.5, "num_queue_reqs": 8, "num_queue_tokens": 32768,
+                  "token_usage": 0.9, "mamba_usage": 0.9, "tolerance": 0.01}}
 
+- `queue_wait_s`: how long the oldest request in SGLang's waiting queue has waited, in seconds
+  (SGLang's own queue-entry stamp, `time_stats.wait_queue_entry_time`; 0 with an empty queue). The
+  TTFT SLO's threshold: once requests wait that long, serving every arrival exactly is breaking the
+  SLO, so arrivals take approximate plans within the tolerance until the queue drains. Set it to
+  what the SLO leaves for queueing (the SLO minus a prefill's own time);
 - `num_queue_reqs`: requests waiting in the scheduler's queue (SGLang's `#queue-req`,
   `sglang:num_queue_reqs`), the request's own predecessors in the same poll included;
 - `num_queue_tokens`: prompt tokens of those waiting requests;
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 #: from a client)
 PRESSURE_PARAM_KEY = "tail_replay_pressure"
 #: the thresholds, in the order `pressed_by` names them
-THRESHOLDS = ("num_queue_reqs", "num_queue_tokens", "token_usage", "mamba_usage")
+THRESHOLDS = ("queue_wait_s", "num_queue_reqs", "num_queue_tokens", "token_usage", "mamba_usage")
 _COUNTS = ("num_queue_reqs", "num_queue_tokens")
 _KEYS = (*THRESHOLDS, "tolerance")
 
@@ -51,6 +56,7 @@ class PressurePolicy:
     token_usage: float | None = None
     mamba_usage: float | None = None
     tolerance: float = 0.01
+    queue_wait_s: float | None = None
 
     def as_dict(self) -> dict:
         """The policy as the operator writes it (thresholds not watched left out)."""
@@ -65,6 +71,7 @@ class LoadSample:
     num_queue_tokens: int
     token_usage: float
     mamba_usage: float | None = None   # None: no state pool
+    queue_wait_s: float | None = None  # None: not read (the scheduler's queue has no stamps)
 
 
 def parse_policy(raw: object, error: Callable[[str], Exception] = ValueError) -> PressurePolicy:
@@ -85,6 +92,8 @@ def parse_policy(raw: object, error: Callable[[str], Exception] = ValueError) ->
             raise fail(key, f"must be >= 0, got {value}")
         if key in ("token_usage", "mamba_usage") and not 0.0 <= value <= 1.0:
             raise fail(key, f"must be in [0, 1], got {value}")
+        if key == "queue_wait_s" and not (0.0 <= value and math.isfinite(value)):
+            raise fail(key, f"must be a finite number of seconds >= 0, got {value}")
         if key == "tolerance" and not (0.0 < value <= 1.0 and math.isfinite(value)):
             raise fail(key, f"must be in (0, 1], got {value}")
     if not any(key in raw for key in THRESHOLDS):

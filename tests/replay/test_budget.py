@@ -158,3 +158,13 @@ def test_server_env_goes_to_its_spec_only_and_bad_ones_are_named():
         server_envs([["stock", "A"]], specs)
     with pytest.raises(ReplayError, match="expected NAME=VALUE"):
         server_envs([["stock", "1A=x"]], specs)
+
+
+@pytest.mark.parametrize(("argv", "match"), [(["--request-rate", "0"], "--request-rate must be"),
+                                             (["--request-rate", "inf"], "--request-rate must be"),
+                                             (["--slo-s", "0"], "--slo-s must be > 0")])
+def test_bad_open_loop_options_are_refused_by_name(argv, match):
+    from eval.replay.runner import run
+
+    with pytest.raises(ReplayError, match=match):
+        run(build_parser().parse_args(["--out", "/tmp/unused", *argv]))

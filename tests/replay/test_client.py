@@ -117,3 +117,21 @@ def test_flush_cache_retries_while_the_server_refuses_then_names_the_refusal(fak
     with pytest.raises(RuntimeError, match=r"flush_cache refused \(400\) for 0.5 s: Flush cache failed"):
         flush_cache(fake_server, wait_s=0.5)
     assert _Handler.flushes >= 2
+
+
+def test_an_open_loop_replay_sends_on_the_seeded_schedule_and_counts_from_it(fake_server):
+    from eval.replay.goodput import arrivals_at, unit_gaps
+    from eval.replay.runner import open_loop_goodput
+
+    reqs = [ScaledRequest(i, 0.0, i, 1, (i + 1,) * 8) for i in range(12)]
+    records, wall = replay_requests(fake_server, reqs, new_tokens=1, concurrency=1, desc="t", rate=40.0, seed=5)
+    schedule = arrivals_at(unit_gaps(12, 5), 40.0)
+    assert all(r["ok"] for r in records) and wall >= schedule[-1]
+    assert _Handler.max_in_flight >= 2                 # open loop: not held to --concurrency 1
+    assert _Handler.arrivals == [i + 1 for i in range(12)]
+    assert all(0.0 <= r["send_lag_s"] < 0.5 and r["ttft_s"] >= 0.05 for r in records)
+    goodput = open_loop_goodput(records, 40.0, slo_s=1.0)
+    assert goodput["share_within_slo"] == 1.0 and goodput["goodput_per_s"] == 40.0
+    records[0]["ok"] = False
+    assert open_loop_goodput(records, 40.0, slo_s=1.0)["share_within_slo"] == 11 / 12
+    assert open_loop_goodput(records, None, slo_s=1.0) is None

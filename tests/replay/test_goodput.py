@@ -14,6 +14,7 @@ from eval.replay.goodput import (
     goodput_table,
     main,
     max_rate_within,
+    pressure_ttfts,
     share_within,
     unit_gaps,
 )
@@ -24,6 +25,38 @@ def test_fcfs_ttft_is_wait_plus_service():
     assert fcfs_ttfts([0, 1, 1.5, 10], [2, 2, 1, 1]) == [2, 3, 3.5, 1]
     with pytest.raises(ValueError):
         fcfs_ttfts([0, 1], [1])
+
+
+def test_the_pressure_model_takes_the_pressed_service_while_the_oldest_waiting_request_waits_long():
+    # exact services 2 each, pressed 0.5 each; threshold 1 s. Arrivals 0, 0.5, 1.0, 1.2, 6:
+    # r0 starts at 0 (nobody waits), r1 arrives 0.5 (oldest waiting: none, r0 started) -> exact, starts 2;
+    # r2 at 1.0: r1 waiting 0.5 s -> exact, starts 4; r3 at 1.2: r1 waiting 0.7 s -> exact, starts 6;
+    # at 6 r3 just started, nobody waits -> r4 exact
+    ttfts, flags = pressure_ttfts([0, 0.5, 1.0, 1.2, 6.0], [2] * 5, [0.5] * 5, 1.0)
+    assert flags == [False] * 5 and ttfts == fcfs_ttfts([0, 0.5, 1.0, 1.2, 6.0], [2] * 5)
+    # r3 at 1.6: r1 (arrived 0.5, starts 2) has waited 1.1 s -> pressed: starts 6, served in 0.5
+    ttfts, flags = pressure_ttfts([0, 0.5, 1.0, 1.6, 6.0], [2] * 5, [0.5] * 5, 1.0)
+    assert flags == [False, False, False, True, False]
+    assert ttfts == pytest.approx([2, 3.5, 5, 4.9, 2.5])   # r4 starts at 6.5
+    # threshold 0: always pressed (as live: met at or above); a huge one: never, the exact queue
+    assert pressure_ttfts([0, 0.1], [2, 2], [0.5, 0.5], 0.0) == ([0.5, 0.9], [True, True])
+    assert pressure_ttfts([0, 0.1, 0.2], [2] * 3, [0.5] * 3, 1e9)[0] == fcfs_ttfts([0, 0.1, 0.2], [2] * 3)
+
+
+def test_the_modeled_policy_serves_more_within_the_slo_than_its_exact_server_under_load():
+    services = {"stock": [0.4] * 400, "exact": [0.4] * 400, "pressed": [0.1] * 400}
+    table = goodput_table(services, "stock", slo_s=1.0, loads=(0.3, 0.95),
+                          pressure=[("policy", "exact", "pressed", 0.3)])
+    policy, exact = table["servers"]["policy"], table["servers"]["exact"]
+    assert policy["pressure"] == {"exact": "exact", "pressed": "pressed", "queue_wait_s": 0.3}
+    low, high = policy["at_load"]
+    assert low["pressed_share"] < 0.1 and high["pressed_share"] > 0.2
+    assert high["goodput_per_s"] > exact["at_load"][1]["goodput_per_s"]
+    assert policy["max_rate_within_slo_per_s"] > exact["max_rate_within_slo_per_s"]
+    with pytest.raises(ValueError, match="needs servers 'exact' and 'nope'"):
+        goodput_table(services, "stock", pressure=[("p", "exact", "nope", 0.3)])
+    with pytest.raises(ValueError, match="has a server of that name"):
+        goodput_table(services, "stock", pressure=[("exact", "exact", "pressed", 0.3)])
 
 
 def test_arrivals_scale_with_the_rate_and_are_seeded():

@@ -55,6 +55,31 @@ def test_pressed_by_names_the_thresholds_met(load, expected):
     assert pressed_by(POLICY, load) == expected
 
 
+def test_the_queue_wait_threshold_is_met_once_the_oldest_request_has_waited_that_long():
+    policy = parse_policy({"queue_wait_s": 0.5, "num_queue_reqs": 8})
+    assert pressed_by(policy, replace(IDLE, queue_wait_s=0.49)) == ()
+    assert pressed_by(policy, replace(IDLE, queue_wait_s=0.5)) == ("queue_wait_s",)
+    assert pressed_by(policy, replace(IDLE, queue_wait_s=2.0, num_queue_reqs=8)) == ("queue_wait_s", "num_queue_reqs")
+    assert pressed_by(policy, IDLE) == ()            # not read: never met
+    assert stamp(policy, replace(IDLE, queue_wait_s=0.75))["load"]["queue_wait_s"] == 0.75
+    assert read_stamp({PRESSURE_PARAM_KEY: {"pressed_by": ["queue_wait_s"]}}) == ("queue_wait_s",)
+
+
+def test_the_oldest_wait_is_read_from_sglangs_queue_entry_stamps():
+    def req(entered: float):
+        return SimpleNamespace(origin_input_ids=[1, 2, 3], time_stats=SimpleNamespace(wait_queue_entry_time=entered))
+
+    assert patch.oldest_wait_s([], now=100.0) == 0.0
+    assert patch.oldest_wait_s([req(99.5), req(97.0), req(0.0)], now=100.0) == 3.0   # 0: not stamped yet
+    assert patch.oldest_wait_s([req(0.0)], now=100.0) == 0.0
+    queue = [req(98.0), req(99.0)]
+    scheduler = SimpleNamespace(waiting_queue=queue, pool_stats_observer=SimpleNamespace(
+        get_pool_stats=lambda: SimpleNamespace(full_token_usage=0.25, mamba_usage=None)))
+    load = patch.scheduler_load(scheduler)
+    assert (load.num_queue_reqs, load.num_queue_tokens, load.token_usage, load.mamba_usage) == (2, 6, 0.25, None)
+    assert load.queue_wait_s is not None and load.queue_wait_s > 0.0
+
+
 def test_thresholds_at_zero_are_always_met_and_a_missing_state_pool_never_is():
     policy = parse_policy({"num_queue_reqs": 0, "num_queue_tokens": 0, "token_usage": 0, "mamba_usage": 0})
     assert pressed_by(policy, IDLE) == ("num_queue_reqs", "num_queue_tokens", "token_usage", "mamba_usage")
@@ -71,6 +96,9 @@ def test_thresholds_at_zero_are_always_met_and_a_missing_state_pool_never_is():
     ({"token_usage": 1.5}, "'pressure.token_usage': must be in \\[0, 1\\]"),
     ({"mamba_usage": -0.1}, "'pressure.mamba_usage': must be in \\[0, 1\\]"),
     ({"token_usage": 0.5, "tolerance": 0}, "'pressure.tolerance': must be in \\(0, 1\\]"),
+    ({"queue_wait_s": -0.1}, "'pressure.queue_wait_s': must be a finite number of seconds >= 0"),
+    ({"queue_wait_s": float("inf")}, "'pressure.queue_wait_s': must be a finite number of seconds >= 0"),
+    ({"queue_wait_s": "1s"}, "'pressure.queue_wait_s': has the wrong type"),
     ({"tolerance": 0.1}, "'pressure': sets no threshold"),
     ([1], "'pressure': has the wrong type"),
 ])
