@@ -6,8 +6,8 @@ median, against the baseline of the same run.
 
 Per server and run: reuse of ideal, modeled GPU TTFT mean / p50 / p95 and each over the baseline's
 of the same run, the modeled goodput over the baseline's at each load of `goodput.json`, the
-baseline's hits it reused fewer tokens on, the baseline's exact hits it lost, exact answers and
-scheduler CPU per request (ms). The medians are per figure, over the runs (each a ratio taken
+baseline's hits it reused fewer tokens on, the baseline's exact hits it lost, exact answers, the
+modeled TTFT's CPU term (ms beyond the baseline's) and scheduler CPU per request (ms). The medians are per figure, over the runs (each a ratio taken
 within its run first): a median row is not one run's row.
 """
 
@@ -35,6 +35,7 @@ def run_figures(report: dict, goodput: dict | None) -> dict[str, dict]:
                    "reuse_below_baseline": vs.get("reuse_below_baseline", 0),
                    "exact_hits_lost": vs.get("exact_hits_lost", 0),
                    "exact_answers": (row.get("exact_split") or {}).get("exact"),
+                   "cpu_beyond_baseline_ms": modeled.get("cpu_beyond_baseline_ms"),
                    "scheduler_cpu_ms": (row.get("process_cpu_ms_per_request") or {}).get("sglang::scheduler")}
         if goodput is not None and name in goodput["servers"]:
             figures["goodput_x_baseline"] = goodput["servers"][name]["goodput_x_baseline"]

@@ -21,8 +21,9 @@ Each conversation with at least `--min-turns` user turns becomes one `trace_NNNN
 - no system prompt (`system_tokens` 0): ShareGPT has none, so conversations share nothing.
 
 Only these counts and ids are written (no text); the conversation order is the dataset's (the
-package's file is cut off inside a conversation: every complete one before the cut is read), skipping conversations that do not alternate user / assistant from a user turn
-(leading assistant messages are dropped first) or have an empty message.
+package's file is cut off inside a conversation: every complete one before the cut is read),
+skipping conversations that do not alternate user / assistant from a user turn (leading assistant
+messages are dropped first) or have an empty message.
 """
 
 from __future__ import annotations
