@@ -130,9 +130,8 @@ def run_server(spec: ServerSpec, i: int, server, all_pids: list[int], scaled, re
     timing = {"wall_s": wall, "machine_load": load.as_dict(), "other_cpu_percent_during": other_during,
               "busy": busy, "timings_withheld": withheld, "server_threads": threads,
               "server_env": {**{k: v for k, v in os.environ.items() if THREAD_ENV.match(k)},
-                             **{name: value for label, (name, _, value) in
-                                ((label, a.partition("=")) for label, a in getattr(args, "server_env", []))
-                                if label == spec.label}},
+                             **server_envs([p for p in getattr(args, "server_env", []) if p[0] == spec.label],
+                                           [spec]).get(spec.label, {})},
               "launch_args": spec.launch_args(_common_args(args, split)),
               "workers": args.workers, "router_policy": args.router_policy if args.workers > 1 else None,
               "worker_prompt_tokens": worker_tokens, "background_runs": background,

@@ -58,9 +58,7 @@ def compute_prefix_matches(policy: Any, waiting_queue: list[Any]) -> set[Any]:
         if waits_for_sibling(r.prefix_len, shared.device_prefix_len, _grid(cache, r), check, deprioritize):
             deferred.add(r.rid)
         else:
-            siblings.insert(InsertParams(key=RadixKey(token_ids=prefix_ids, extra_key=r.extra_key,
-                                                      cache_salt=r.cache_salt),
-                                         value=torch.empty(len(prefix_ids), dtype=torch.bool)))
+            siblings.insert(InsertParams(key=key, value=torch.empty(len(prefix_ids), dtype=torch.bool)))
     return deferred
 
 

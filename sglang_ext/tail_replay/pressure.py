@@ -71,7 +71,7 @@ class LoadSample:
     num_queue_tokens: int
     token_usage: float
     mamba_usage: float | None = None   # None: no state pool
-    queue_wait_s: float | None = None  # None: not read (the scheduler's queue has no stamps)
+    queue_wait_s: float | None = None  # None: not read (a sample without it never meets that threshold)
 
 
 def parse_policy(raw: object, error: Callable[[str], Exception] = ValueError) -> PressurePolicy:
