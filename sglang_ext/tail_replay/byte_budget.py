@@ -23,6 +23,10 @@ freeing one lengthens the replay its neighbours below save, of the 64 least rece
   coldest KV often is not); under `approximate` every state may (an approximate replay takes its
   place).
 
+Before any state, a KV shortfall takes the KV that serves no exact hit: the stateless leaves past
+a finished request's last state (`kv_past_state`, demoted under the exact modes), which SGLang's
+eviction would also take first, but only after this pass had freed states.
+
 Freeing a state gives its bytes to the KV side only while the allocator may move pages
 (`moves_blocked`: a HiCache transfer or a PD transfer in flight holds them); then this pass frees
 nothing for a KV shortfall, and stock's eviction runs as it would.
@@ -34,6 +38,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from sglang_ext.tail_replay.kv_past_state import is_demoted
 from sglang_ext.tail_replay.metrics import record_states_freed_first
 from sglang_ext.tail_replay.provenance.bounds import counts_exact
 from sglang_ext.tail_replay.provenance.tree import provenance_of
@@ -108,6 +113,10 @@ class ByteBudget:
         freed = EvictResult()
         if getattr(cache.components.get(ComponentType.MAMBA), "states", None) is None or self._partitioned():
             return freed, params
+        if params.num_tokens > 0 and not self._moves_blocked(cache.token_to_kv_pool_allocator):
+            evicted, left = self._free_demoted_kv(params.num_tokens)
+            freed.num_tokens_evicted += evicted
+            params = dataclasses.replace(params, num_tokens=left)
         if params.mamba_num > 0:
             count, left = self._free_states(ComponentType.MAMBA, params.mamba_num, "state")
             freed.mamba_num_evicted += count
@@ -118,6 +127,24 @@ class ByteBudget:
             params = dataclasses.replace(params, num_tokens=left)
         self.states_freed += freed.mamba_num_evicted
         return freed, params
+
+    def _free_demoted_kv(self, wanted: int) -> tuple[int, int]:
+        """A KV shortfall of `wanted` tokens: first the KV that serves no exact hit (stateless
+        leaves `kv_past_state.to_eviction_front` demoted, worth less than any state), which
+        SGLang's eviction takes first, capped at their evictable tokens so that nothing else goes
+        in this pass. Returns (tokens evicted, what is still short). May mutate: the tree's
+        demoted leaves (evicted)."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+        cache = self.cache
+        demoted = sum(len(node.key) for node in cache.tree_core.evictable_device_leaves if is_demoted(node))
+        if demoted <= 0:
+            return 0, wanted
+        full = ComponentType.FULL
+        target = cache._component_available_size(full) + wanted
+        result = cache._evict(EvictParams(num_tokens=demoted), {full: (full, target)})
+        return int(result.num_tokens_evicted), max(0, target - cache._component_available_size(full))
 
     def _free_states(self, kind: Any, wanted: int, shortfall: str) -> tuple[int, int]:
         """Free states worth less than KV until `kind`'s capacity grows by `wanted`. Returns (the

@@ -7,6 +7,14 @@ stock SGLang that KV cannot be reused without a state at its end. Here it can (a
 the state and recomputes, or replays), and without the extra buffer the tree gets a request's
 whole KV anyway; so the rest is inserted as KV alone, with the provenance the cache decides for
 every insert (`provenance.writes.InsertContext`), for requests whose provenance is tracked.
+
+What that KV is worth: under the exact modes (`exact_first`, `exact`, `exact_unless_pressed`) an
+exact hit resumes at a state, so KV past a path's last state serves only approximate plans (a
+request whose path holds no exact state, or a pressed one). It is worth less than any KV an exact
+hit reads, so a new stateless leaf it makes is the first KV a shortfall evicts
+(`to_eviction_front`); while memory lasts it stays. A request that matches through it makes it
+recently used, as any node. Under `approximate` every KV token is worth its prefill: it keeps the
+recency SGLang's insert gave it.
 """
 
 from __future__ import annotations
@@ -77,3 +85,29 @@ class KvPastTheState:
             (ComponentType.MAMBA,) if envs.SGLANG_OPT_MAMBA_SKIP_DECODE_LOCK.get() else ()))
         req.kv.cache_protected_len = len(new_indices)
         req.last_node = new_last_node
+        if cache.tail_replay_config.knobs.exactness != "approximate":
+            to_eviction_front(cache.tree_core, cache.tree_core.node_by_id(new_last_node))
+
+
+#: how far a demoted node's recency drops: below every node SGLang stamped (its time counter counts
+#: up from 0), keeping the demoted nodes' own order among themselves
+DEMOTION = 1 << 62
+
+
+def to_eviction_front(tree_core: Any, node: Any) -> bool:
+    """Make a stateless leaf the first KV a shortfall evicts: SGLang's KV eviction takes the
+    evictable leaves by its policy's priority, which for the recency policies (`lru`, the
+    default; `priority` and `tlru` within a tier) is the node's `last_access_time`; it drops
+    below every stamped node's. A request that matches through the node stamps it afresh. Only a
+    leaf holding no device state; not the root. Returns whether it moved. May mutate: the node's
+    `last_access_time`."""
+    if node is tree_core.root_node or node.children or node.component_data[ComponentType.MAMBA].value is not None:
+        return False
+    if node.last_access_time >= 0:
+        node.last_access_time -= DEMOTION
+    return True
+
+
+def is_demoted(node: Any) -> bool:
+    """Whether `to_eviction_front` demoted the node and no match has stamped it since. Reads only."""
+    return node.last_access_time < 0

@@ -322,6 +322,17 @@ def answer_bound(record: TailReplayRequest, end: int, logprob_start: int = -1) -
     if end <= 0:
         return 0.0
     start = logprob_start if 0 <= logprob_start < end else end - 1
+    return max_bound_of(record, start, end)
+
+
+def max_bound_of(record: TailReplayRequest | None, start: int, end: int) -> float:
+    """The largest of `bounds_of(record, start, end)` (0 for an empty span). Without a carried row
+    in the span (the common, exact case) it is the record's floor, read without building the
+    tensor; else one host sync."""
+    if end <= start or record is None:
+        return 0.0
+    if record.carry is None or end <= record.carry.start:
+        return record.floor
     return float(bounds_of(record, start, end).max())
 
 

@@ -87,17 +87,32 @@ class _FakeCache:
         self.components = {MAMBA: SimpleNamespace(states=self.walk)}
         self.targets: list = []
         self.recorded: list = []
+        #: the KV leaves SGLang's eviction could take now, and the KV tokens evicted of them
+        self.tree_core = SimpleNamespace(evictable_device_leaves=set())
+        self.kv_freed = 0
 
     def mamba_evictable_size(self) -> int:
         return self.core.component_evictable_size(MAMBA)
 
     def _component_available_size(self, component_type) -> int:
-        return len(self.core.freed) * (1 if component_type == MAMBA else self.token_cost)
+        return len(self.core.freed) * (1 if component_type == MAMBA else self.token_cost) + \
+            (0 if component_type == MAMBA else self.kv_freed)
 
     def _evict(self, params, targets):
         from sglang.srt.mem_cache.base_prefix_cache import EvictResult
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
         self.targets.append(targets)
+        if ComponentType.FULL in targets:   # KV leaves in SGLang's order (recency), as its walk takes them
+            kind, target = targets[ComponentType.FULL]
+            evicted = 0
+            for leaf in sorted(self.tree_core.evictable_device_leaves, key=lambda n: n.last_access_time):
+                if evicted >= params.num_tokens or self._component_available_size(kind) >= target:
+                    break
+                self.tree_core.evictable_device_leaves.discard(leaf)
+                evicted += len(leaf.key)
+                self.kv_freed += len(leaf.key)
+            return EvictResult(num_tokens_evicted=evicted)
         kind, target = targets[MAMBA]
         before = len(self.core.freed)
         tracker, frees = {MAMBA: 0}, {MAMBA: []}
@@ -219,3 +234,33 @@ def test_byte_budget_is_a_server_setting_checked_by_type_and_refused_from_a_requ
         config_from_dict({"byte_budget": 1})
     with pytest.raises(TailReplayConfigError, match="'byte_budget'"):
         check_request(config_from_dict({}), {"tail_replay": {"byte_budget": False}})
+
+
+def test_a_kv_shortfall_takes_the_kv_past_the_states_before_any_state():
+    """Under the exact modes the stateless leaves past a request's last state serve no exact hit
+    (`kv_past_state.to_eviction_front` demotes them): a KV shortfall takes them first, and only
+    them, before any state goes; what is still short goes on to the states, then to stock."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    from sglang_ext.tail_replay.kv_past_state import DEMOTION
+
+    class Leaf:   # hashable, as SGLang's tree nodes
+        def __init__(self, tokens: int, last_access_time: int) -> None:
+            self.key, self.last_access_time = [0] * tokens, last_access_time
+
+    budget, cache, core = _budget_on_chain([2, 3, 1, 4])
+    tails = [Leaf(3, 7 - DEMOTION), Leaf(5, 9 - DEMOTION)]
+    live = Leaf(8, 1)       # a leaf an exact hit may read
+    cache.tree_core.evictable_device_leaves = {*tails, live}
+    result, rest = budget.states_first(EvictParams(num_tokens=4))
+    assert cache.tree_core.evictable_device_leaves == {live} and core.freed == []
+    assert result.num_tokens_evicted == 8 and rest == EvictParams(num_tokens=0)
+    assert cache.targets == [{ComponentType.FULL: (ComponentType.FULL, 4)}]
+    budget, cache, core = _budget_on_chain([2, 3, 1, 4])
+    cache.tree_core.evictable_device_leaves = {tails[0], live}
+    result, rest = budget.states_first(EvictParams(num_tokens=10))
+    # the 3 demoted tokens, then node 2's state (6 tokens' bytes); the live leaf is stock's to take
+    assert cache.tree_core.evictable_device_leaves == {live} and core.freed == [2]
+    assert result.num_tokens_evicted == 3 and rest == EvictParams(num_tokens=1)
+

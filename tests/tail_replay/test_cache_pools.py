@@ -819,3 +819,33 @@ def test_a_running_exact_request_never_takes_the_trees_inexact_kv_at_a_chunk_bou
     h.finish(req, output=[7])   # finished, it reads nothing more (its insert may share the node)
     h.finish(approx)
     h.assert_no_leak()
+
+
+def test_kv_past_the_state_goes_first_under_a_kv_shortfall():
+    """`kv_past_state.to_eviction_front` on SGLang's own tree and eviction (the default `lru`): the stateless leaf it demotes
+    (as `KvPastTheState` inserts it: KV alone, past a state) is evicted before an older leaf that
+    plain LRU takes first; a leaf holding a state, an inner node and the root are not moved."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    from sglang_ext.tail_replay.kv_past_state import to_eviction_front
+
+    h = Harness(1)
+    old = h.run(seq(100, 40))                      # the older conversation, its state at its end
+    base = h.run(seq(300, 40))                     # the newer one
+    core = h.cache.tree_core
+    state_leaf = core.node_by_id(base.last_node)
+    assert state_leaf.component_data[MAMBA].value is not None and not to_eviction_front(core, state_leaf)
+    # KV alone past the newer one's state, inserted last (LRU keeps it longest)
+    tokens = seq(300, 40) + seq(900, 12)
+    slots = torch.cat([h.cache.path_device_indices(base.last_node).to(torch.int64),
+                       h.alloc.alloc(12).to(torch.int64)])
+    result = h.cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=slots, prev_prefix_len=40))
+    tail = core.node_by_id(result.last_device_node)
+    assert tail.component_data[MAMBA].value is None and len(tail.key) == 12
+    assert not to_eviction_front(core, core.root_node) and not to_eviction_front(core, state_leaf)   # inner now
+    assert to_eviction_front(core, tail)
+    h.cache.evict(EvictParams(num_tokens=1))       # one KV shortfall: one leaf goes
+    firsts = {int(node.key.token_ids[0]) for node, _ in h.nodes()}
+    assert {100, 300} <= firsts and 900 not in firsts   # the moved tail went; the older leaf stayed
+    assert old.last_node is not None
+    h.assert_no_leak()

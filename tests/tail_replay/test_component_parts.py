@@ -168,6 +168,7 @@ def test_stock_last_observes_only_what_stock_would_do():
 def _writer(core: FakeCore, *, prompt_len=None, bounds=None, state_bound=0.0, record=None, freed=None):
     inserting = SimpleNamespace(prompt_len=prompt_len, record=record, state_bound=lambda depth: state_bound,
                                 bounds=lambda a, b: bounds[a:b] if bounds is not None else torch.zeros(b - a))
+    inserting.max_bound = lambda a, b: float(inserting.bounds(a, b).max()) if b > a else 0.0
     inserting.awaits_repair_at = lambda depth, bound: InsertContext.awaits_repair_at(inserting, depth, bound)
     return ProvenanceWriter(core, MAMBA, inserting=lambda: inserting,
                             free_state=(freed.append if freed is not None else None))

@@ -270,3 +270,27 @@ def test_an_aborted_session_turn_inserts_its_sessions_bounds_below_its_own():
     assert bounds.tolist() == pytest.approx([0.75, 0.5, 0.5, 0.5])
     # without its session's history (the fail-open default before): the floor below its prefix
     assert insert_bounds(record, 2, 4, caching=True).tolist() == pytest.approx([TAINT, TAINT])
+
+
+def test_the_scalar_bound_of_an_insert_is_the_max_of_its_bounds_in_every_case():
+    """`insert_max_bound` reads the common exact case without a tensor: it must equal the tensor's
+    max whatever the record (none, unplanned, exact, carried from inside or past the span, a taint
+    floor, a carry with seen rows), session history, transfer or caching."""
+    from sglang_ext.tail_replay.provenance.writes import insert_bounds, insert_max_bound
+    from sglang_ext.tail_replay.request import TailReplayRequest
+
+    seen = CarryBound(start=30)
+    seen.add_rows(0, 30, torch.tensor([[-0.5], [-0.25], [-1.0]]))
+    records = [None, TailReplayRequest(CFG), _planned(), _planned(floor=TAINT), _planned(CarryBound(start=30)),
+               _planned(CarryBound(start=30), floor=TAINT), _planned(seen), _planned(CarryBound(30, math.log(0.5)))]
+    histories = [None, torch.zeros(40), torch.tensor([0.0] * 20 + [0.25] * 20)]
+    spans = [(0, 0), (0, 1), (0, 30), (28, 30), (29, 31), (30, 33), (31, 32), (33, 38), (0, 40)]
+    for record in records:
+        for history in histories:
+            for caching in (True, False):
+                for transferred in (False, True):
+                    for start, end in spans:
+                        kw = dict(caching=caching, transferred=transferred, history=history)
+                        tensor = insert_bounds(record, start, end, **kw)
+                        expected = float(tensor.max()) if tensor.numel() else 0.0
+                        assert insert_max_bound(record, start, end, **kw) == expected, (record, history, kw, start, end)

@@ -179,9 +179,13 @@ class ProvenanceWriter:
             prompt_len = self.inserting().prompt_len
             if prompt_len is not None and prompt_len < depth:
                 setattr(node, ANSWER_FROM_ATTR, max(prompt_len - result.prefix_len, 0))
-            kv = self.inserting().bounds(result.prefix_len, depth)
-            set_provenance(node, NodeProvenance(kv, 0.0))
-            record_stored_bound("kv", float(kv.max()) if kv.numel() else 0.0)
+            if self.inserting().max_bound(result.prefix_len, depth) == 0.0:
+                set_provenance(node, None)   # strictly exact KV (the common case: no tensor built)
+                record_stored_bound("kv", 0.0)
+            else:
+                kv = self.inserting().bounds(result.prefix_len, depth)
+                set_provenance(node, NodeProvenance(kv, 0.0))
+                record_stored_bound("kv", float(kv.max()) if kv.numel() else 0.0)
         if params.mamba_value is None:
             return
         state_bound = self.inserting().state_bound(depth)

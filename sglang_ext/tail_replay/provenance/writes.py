@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sglang_ext.tail_replay.provenance.bounds import UNTRACKED, counts_exact
-from sglang_ext.tail_replay.request import TailReplayRequest, bounds_of
+from sglang_ext.tail_replay.request import TailReplayRequest, bounds_of, max_bound_of
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +61,19 @@ def insert_bounds(record: TailReplayRequest | None, start: int, end: int, *, cac
     return bounds
 
 
+def insert_max_bound(record: TailReplayRequest | None, start: int, end: int, *, caching: bool,
+                     transferred: bool = False, history: torch.Tensor | None = None) -> float:
+    """The largest of `insert_bounds(...)` over [start, end) (0 for an empty span), read without
+    building the tensor where no session history and no carried row fall in the span."""
+    if end <= start or not caching:
+        return 0.0
+    if transferred or not tracks(record):
+        return UNTRACKED
+    if history is None:
+        return max_bound_of(record, start, end)
+    return float(insert_bounds(record, start, end, caching=caching, transferred=transferred, history=history).max())
+
+
 def state_bound(record: TailReplayRequest | None, depth: int, *, caching: bool, transferred: bool = False,
                 history: torch.Tensor | None = None) -> float:
     """The bound of a state an insert stores at `depth` (the bound of its last position; 0 at
@@ -69,8 +82,7 @@ def state_bound(record: TailReplayRequest | None, depth: int, *, caching: bool, 
         return 0.0
     if caching and record is not None and record.state_withheld:
         return UNTRACKED
-    return float(insert_bounds(record, depth - 1, depth, caching=caching, transferred=transferred,
-                               history=history)[0])
+    return insert_max_bound(record, depth - 1, depth, caching=caching, transferred=transferred, history=history)
 
 
 class InsertContext:
@@ -92,6 +104,12 @@ class InsertContext:
         """The bound of each position in [start, end) (`insert_bounds`). Reads only."""
         return insert_bounds(self.record, start, end, caching=self.caching, transferred=self.transferred,
                              history=self.history)
+
+    def max_bound(self, start: int, end: int) -> float:
+        """The largest bound in [start, end) (`insert_max_bound`; 0 when all of it is strictly
+        exact). Reads only."""
+        return insert_max_bound(self.record, start, end, caching=self.caching, transferred=self.transferred,
+                                history=self.history)
 
     def state_bound(self, depth: int) -> float:
         """The bound of a state stored at `depth` (`state_bound`). Reads only."""
