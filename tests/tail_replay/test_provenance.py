@@ -45,6 +45,27 @@ def test_chunks_continue_the_running_sum_and_decode_keeps_the_last_rows_bound():
     torch.testing.assert_close(bounds, torch.tensor(expected, dtype=torch.float32))
 
 
+def test_the_memoized_bounds_follow_every_change_of_the_carry():
+    """`carried_bounds` memoizes the filled bounds on the carry: a shorter or longer span, a new
+    chunk, a second layer's rows over the same chunk and another floor each answer what a fresh
+    carry with the same rows answers."""
+    def fresh(steps):
+        carry = CarryBound(start=2, base_log=math.log(0.5))
+        for layer, position, decay in steps:
+            carry.add_rows(layer, position, torch.full((2, 1), decay))
+        return carry
+
+    steps = [(0, 2, -1.0)]
+    carry = fresh(steps)
+    for start, end, floor in [(0, 8, 0.0), (3, 5, 0.0), (0, 12, TAINT), (0, 4, 0.0)]:
+        assert torch.equal(carried_bounds(carry, start, end, floor), carried_bounds(fresh(steps), start, end, floor))
+    for step in [(0, 4, -0.5), (1, 2, -0.25), (1, 4, -3.0)]:   # another chunk; layer 1 over both
+        carry.add_rows(step[0], step[1], torch.full((2, 1), step[2]))
+        steps.append(step)
+        for start, end in [(0, 9), (2, 4), (5, 7)]:
+            assert torch.equal(carried_bounds(carry, start, end, 0.0), carried_bounds(fresh(steps), start, end, 0.0))
+
+
 def test_an_unseen_chunk_carries_the_last_seen_bound_and_later_chunks_keep_their_positions():
     carry = CarryBound(start=0)
     carry.add_rows(0, 0, torch.full((2, 1), -1.0))

@@ -157,6 +157,11 @@ class CarryBound:
     tokens: dict[int, int] = field(default_factory=dict)
     #: per forward chunk: (first position, log-bound per row [n], max over the layers seen)
     chunks: list[list] = field(default_factory=list)
+    #: bumped by every change above (`row_bounds`, `merge_rows`): what `carried_bounds` memoizes
+    #: is keyed by it
+    version: int = field(default=0, compare=False)
+    #: (version, the filled bounds of [start, start + n) before the floor: float64), or None
+    memo: tuple[int, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     def add_rows(self, layer: int, position: int, log_decay: torch.Tensor) -> None:
         """log_decay [n, heads]: this layer's per-token log-decay of rows [position, position + n).
@@ -178,6 +183,7 @@ class CarryBound:
         self.sums[layer] = cumulative[-1].clone() if values.shape[0] else (
             running if running is not None else torch.zeros(values.shape[-1], device=values.device))
         self.tokens[layer] = self.tokens.get(layer, 0) + values.shape[0]
+        self.version += 1
         return (cumulative + self.base_log).amax(dim=-1)
 
     def merge_rows(self, position: int, rows: torch.Tensor) -> None:
@@ -185,6 +191,7 @@ class CarryBound:
         over layers."""
         import torch
 
+        self.version += 1
         for chunk in self.chunks:
             if chunk[0] == position and chunk[1].shape[0] == rows.shape[0]:
                 chunk[1] = torch.maximum(chunk[1], rows)
@@ -207,7 +214,9 @@ def carried_bounds(carry: CarryBound | None, start: int, end: int, exact_floor: 
     CUDA graph, decode tokens) the bound of the last row seen before it, which is an upper bound
     since bounds never grow along a request (before any row: the start bound). A carry whose rows
     some layer did not see (the max over layers would miss it) is UNKNOWN throughout. A carried
-    position is never strictly exact (at least TAINT). One host sync (the rows' copy)."""
+    position is never strictly exact (at least TAINT). One host sync (the rows' copy) per change of
+    the carry: the filled bounds are memoized on it (`CarryBound.memo`), since a request's inserts,
+    overlaps and labels ask again between its forwards."""
     import torch
 
     out = torch.full((max(end - start, 0),), exact_floor, dtype=torch.float32)
@@ -217,7 +226,21 @@ def carried_bounds(carry: CarryBound | None, start: int, end: int, exact_floor: 
     if carry.chunks and not carry.complete():
         out[lo - start:] = max(UNKNOWN, exact_floor)
         return out
-    span = end - carry.start
+    bounds = _filled(carry, end - carry.start).clamp(min=max(TAINT, exact_floor), max=UNKNOWN).float()
+    out[lo - start:] = bounds[lo - carry.start:]
+    return out
+
+
+def _filled(carry: CarryBound, span: int) -> torch.Tensor:
+    """The bound of positions [carry.start, carry.start + span) before the floor (float64): a seen
+    row's, else the last seen row's before it, else the start bound. A position's value depends
+    only on the rows at or before it, so a longer memo's prefix is the answer. May mutate: the
+    carry's memo. Not to be written to (it is the memo)."""
+    import torch
+
+    memo = carry.memo
+    if memo is not None and memo[0] == carry.version and memo[1].shape[0] >= span:
+        return memo[1][:span]
     values = torch.full((span,), float("nan"), dtype=torch.float64)
     for position, rows in carry.chunks:
         first = position - carry.start
@@ -229,9 +252,8 @@ def carried_bounds(carry: CarryBound | None, start: int, end: int, exact_floor: 
     last_seen = torch.where(seen, torch.arange(span), torch.full((span,), -1)).cummax(0).values
     start_bound = min(math.exp(carry.base_log), UNKNOWN)
     filled = torch.where(last_seen >= 0, values[last_seen.clamp(min=0)], torch.tensor(start_bound, dtype=torch.float64))
-    bounds = filled.clamp(min=max(TAINT, exact_floor), max=UNKNOWN).float()
-    out[lo - start:] = bounds[lo - carry.start:]
-    return out
+    carry.memo = (carry.version, filled)
+    return filled
 
 
 def log_of_bound(bound: float) -> float:
