@@ -25,7 +25,8 @@ freeing one lengthens the replay its neighbours below save, of the 64 least rece
 
 Before any state, a KV shortfall takes the KV that serves no exact hit: the stateless leaves past
 a finished request's last state (`kv_past_state`, demoted under the exact modes), which SGLang's
-eviction would also take first, but only after this pass had freed states.
+`lru` eviction would also take first, but only after this pass had freed states (under another
+policy the pass does not run: `kv_past_state.demoted_go_first`).
 
 Freeing a state gives its bytes to the KV side only while the allocator may move pages
 (`moves_blocked`: a HiCache transfer or a PD transfer in flight holds them); then this pass frees
@@ -38,7 +39,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from sglang_ext.tail_replay.kv_past_state import is_demoted
+from sglang_ext.tail_replay.kv_past_state import demoted_go_first, is_demoted
 from sglang_ext.tail_replay.metrics import record_states_freed_first
 from sglang_ext.tail_replay.provenance.bounds import counts_exact
 from sglang_ext.tail_replay.provenance.tree import provenance_of
@@ -132,12 +133,15 @@ class ByteBudget:
         """A KV shortfall of `wanted` tokens: first the KV that serves no exact hit (stateless
         leaves `kv_past_state.to_eviction_front` demoted, worth less than any state), which
         SGLang's eviction takes first, capped at their evictable tokens so that nothing else goes
-        in this pass. Returns (tokens evicted, what is still short). May mutate: the tree's
-        demoted leaves (evicted)."""
+        in this pass. Only where its policy takes them before any other leaf (`demoted_go_first`:
+        `lru`); else nothing here, the shortfall goes on. Returns (tokens evicted, what is still
+        short). May mutate: the tree's demoted leaves (evicted)."""
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
         cache = self.cache
+        if not demoted_go_first(cache.tree_core):
+            return 0, wanted
         demoted = sum(len(node.key) for node in cache.tree_core.evictable_device_leaves if is_demoted(node))
         if demoted <= 0:
             return 0, wanted

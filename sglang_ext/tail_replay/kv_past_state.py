@@ -108,6 +108,16 @@ def to_eviction_front(tree_core: Any, node: Any) -> bool:
     return True
 
 
+def demoted_go_first(tree_core: Any) -> bool:
+    """Whether SGLang's KV eviction takes every demoted leaf before any other: under `lru` (its
+    default), which orders by `last_access_time` alone. Under a tiered policy (`priority`, `tlru`,
+    `slru`, `lfu`) a demoted leaf goes first only within its tier; under `mru` last; under
+    one that ignores recency (`fifo`, `sae`) anywhere. Reads only."""
+    from sglang.srt.mem_cache.evict_policy import LRUStrategy
+
+    return type(getattr(tree_core, "eviction_strategy", None)) is LRUStrategy
+
+
 def is_demoted(node: Any) -> bool:
     """Whether `to_eviction_front` demoted the node and no match has stamped it since. Reads only."""
     return node.last_access_time < 0

@@ -88,7 +88,9 @@ class _FakeCache:
         self.targets: list = []
         self.recorded: list = []
         #: the KV leaves SGLang's eviction could take now, and the KV tokens evicted of them
-        self.tree_core = SimpleNamespace(evictable_device_leaves=set())
+        from sglang.srt.mem_cache.evict_policy import LRUStrategy
+
+        self.tree_core = SimpleNamespace(evictable_device_leaves=set(), eviction_strategy=LRUStrategy())
         self.kv_freed = 0
 
     def mamba_evictable_size(self) -> int:
@@ -263,4 +265,14 @@ def test_a_kv_shortfall_takes_the_kv_past_the_states_before_any_state():
     # the 3 demoted tokens, then node 2's state (6 tokens' bytes); the live leaf is stock's to take
     assert cache.tree_core.evictable_device_leaves == {live} and core.freed == [2]
     assert result.num_tokens_evicted == 3 and rest == EvictParams(num_tokens=1)
+    # under a policy that does not take demoted leaves first (here `mru`), this pass leaves the KV
+    # to that policy: the states go as before
+    from sglang.srt.mem_cache.evict_policy import MRUStrategy
+
+    budget, cache, core = _budget_on_chain([2, 3, 1, 4])
+    cache.tree_core.evictable_device_leaves = {tails[0], live}
+    cache.tree_core.eviction_strategy = MRUStrategy()
+    result, rest = budget.states_first(EvictParams(num_tokens=10))
+    assert cache.tree_core.evictable_device_leaves == {tails[0], live} and core.freed == [2]
+    assert result.num_tokens_evicted == 0 and rest == EvictParams(num_tokens=4)
 

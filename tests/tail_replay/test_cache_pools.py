@@ -827,9 +827,10 @@ def test_kv_past_the_state_goes_first_under_a_kv_shortfall():
     plain LRU takes first; a leaf holding a state, an inner node and the root are not moved."""
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
-    from sglang_ext.tail_replay.kv_past_state import to_eviction_front
+    from sglang_ext.tail_replay.kv_past_state import demoted_go_first, to_eviction_front
 
     h = Harness(1)
+    assert demoted_go_first(h.cache.tree_core)     # SGLang's default policy, `lru`
     old = h.run(seq(100, 40))                      # the older conversation, its state at its end
     base = h.run(seq(300, 40))                     # the newer one
     core = h.cache.tree_core
